@@ -1,0 +1,41 @@
+"""pipelinerl_jax: asynchronous pipeline RL for language models, JAX-first."""
+from setuptools import find_packages, setup
+
+setup(
+    name="pipelinerl_jax",
+    version="0.1.0",
+    description="Asynchronous pipeline reinforcement learning on language models, JAX/TPU-first.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pipelinerl_jax", "pipelinerl_jax.*"]),
+    package_data={"pipelinerl_jax.transport": ["*.proto"]},
+    install_requires=[
+        "jax>=0.7.0,<0.11",
+        "flax>=0.12.0,<0.13",
+        "optax>=0.2.5,<0.3",
+        "orbax-checkpoint>=0.11.0,<0.13",
+        "ml-collections>=1.0.0,<2",
+        "absl-py>=2.0,<3",
+        "grpcio>=1.70,<2",
+        "grpcio-health-checking>=1.70,<2",
+        "protobuf>=6.31,<8",
+        "transformers>=4.50,<6",  # configs and tokenizers only; models are ours
+        "safetensors>=0.4,<1",
+        "numpy>=1.26,<3",
+        "matplotlib>=3.8,<4",
+        "tensorboardX>=2.6,<3",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        # torch is only the reference implementation in parity tests.
+        "dev": [
+            "pytest>=8,<10",
+            "hypothesis>=6.100,<7",
+            "grpcio-tools>=1.70,<2",
+            "torch==2.13.0",
+        ],
+        # GPU hosts that launch SGLang servers; never needed on CPU.
+        "sglang": ["sglang[all]>=0.5"],
+    },
+)

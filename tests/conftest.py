@@ -1,0 +1,6 @@
+"""Test-wide setup: 8 fake CPU devices so sharding is tested for real on one host."""
+import os
+
+# Must be set before jax is imported anywhere in the test process.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
