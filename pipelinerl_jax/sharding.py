@@ -91,7 +91,7 @@ def _check_divisible(name: str, shape, spec: P, mesh: Mesh):
                 f"dim {dim} (size {size}) over mesh axes {axes} ({parts} parts)")
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
@@ -102,7 +102,7 @@ def state_shardings(abstract_state, mesh: Optional[Mesh], rules=DEFAULT_RULES):
 
     def one(path, var):
         spec = logical_to_spec(var.get_metadata().get("logical_axes"), rules)
-        _check_divisible(_path_name(path), var.shape, spec, mesh)
+        _check_divisible(path_name(path), var.shape, spec, mesh)
         return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(
@@ -115,7 +115,7 @@ def param_specs(model_or_state, rules=DEFAULT_RULES) -> dict:
     out = {}
     for path, var in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        out[_path_name(path)] = logical_to_spec(var.get_metadata().get("logical_axes"), rules)
+        out[path_name(path)] = logical_to_spec(var.get_metadata().get("logical_axes"), rules)
     return out
 
 

@@ -10,3 +10,6 @@ from pipelinerl_jax.models.hf_io import (from_pretrained, hf_state_dict, load_co
                                          save_pretrained)
 
 __all__ += ["from_pretrained", "save_pretrained", "hf_state_dict", "load_config"]
+from pipelinerl_jax.models.params import flat_params, state_from_flat  # noqa: E402
+
+__all__ += ["flat_params", "state_from_flat"]

@@ -235,7 +235,7 @@ def from_pretrained(path: str, dtype: Any = "float32", param_dtype: Any = None,
                               f"{' ...' if len(missing) > 5 else ''}")
 
     def fill(p, var):
-        return var.replace(loaded[sharding_lib._path_name(p)])
+        return var.replace(loaded[sharding_lib.path_name(p)])
 
     state = jax.tree_util.tree_map_with_path(fill, abs_state,
                                              is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -245,7 +245,7 @@ def from_pretrained(path: str, dtype: Any = "float32", param_dtype: Any = None,
 def _flat_vars(state) -> Iterator[Tuple[str, Any]]:
     for p, var in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        yield sharding_lib._path_name(p), var
+        yield sharding_lib.path_name(p), var
 
 
 def hf_state_dict(model_or_state, cfg: ModelConfig, dtype: Any = None) -> Dict[str, np.ndarray]:
