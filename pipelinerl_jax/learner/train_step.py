@@ -1,0 +1,170 @@
+"""The learner's train state, optimizer and jitted, sharded train step.
+
+The step is a pure function `(state, batch) -> (state, metrics)`, jitted once per sequence
+bucket with explicit in/out shardings over the mesh and the state donated (big_vision style).
+Inside one step:
+
+  1. optional proximal log-probs: with `minibatches == 1` the proximal policy *is* the
+     current one, so `logp_proximal = stop_gradient(logp)` of the same forward (free); with
+     several minibatches one no-grad forward over the whole batch fixes it before the first
+     update (AReaL's decoupled PPO);
+  2. for each minibatch, gradients accumulated over micro-batches (`lax.scan`), then one
+     optax update (AdamW, warmup + decay, global-norm clipping);
+  3. a non-finite loss or gradient skips that update (params and optimizer state unchanged)
+     and is counted in `metrics["skipped"]`.
+
+Micro-batch gradients are weighted by their share of trained tokens for `token_mean`
+aggregation (exact), equally otherwise (exact for row-mean aggregations with equal rows).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax.config import ConfigError
+
+
+class TrainState(NamedTuple):
+    params: Any  # pure dict of parameter arrays (nnx.to_pure_dict layout)
+    opt_state: Any
+    step: jax.Array  # int32 optimizer steps applied
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+    """AdamW with linear warmup then `decay` ('cosine' | 'linear' | 'constant'), clipped."""
+    lr, warmup, total = cfg.learning_rate, cfg.warmup_steps, max(cfg.total_steps, 1)
+    end = lr * cfg.final_lr_ratio
+    if cfg.decay == "cosine":
+        decay = optax.cosine_decay_schedule(lr, max(total - warmup, 1), alpha=cfg.final_lr_ratio)
+    elif cfg.decay == "linear":
+        decay = optax.linear_schedule(lr, end, max(total - warmup, 1))
+    elif cfg.decay == "constant":
+        decay = optax.constant_schedule(lr)
+    else:
+        raise ConfigError("learner.optimizer.decay", f"unknown schedule {cfg.decay!r}")
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(lr / max(warmup, 1), lr, warmup), decay], [warmup])
+
+    def decay_mask(params):  # no weight decay on norms and biases
+        return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay, mask=decay_mask),
+    ), schedule
+
+
+def logp_and_entropy(logits, targets, temperature):
+    """Per-token log-prob of `targets` and entropy, from one log-softmax of logits / T."""
+    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def init_state(model, optimizer) -> TrainState:
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    opt_state = jax.jit(optimizer.init)(params)
+    return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+
+
+def state_shardings(state: TrainState):
+    return jax.tree.map(lambda x: x.sharding, state)
+
+
+def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
+                    state_sharding, temperature: float = 1.0, minibatches: int = 1,
+                    micro_batches: int = 1, use_proximal: bool = False,
+                    token_weighted: bool = True, rules=sharding_lib.DEFAULT_RULES):
+    """Returns the jitted `(state, batch) -> (state, metrics)` step.
+
+    `loss_fn(LossInputs) -> (loss, metrics)` from `pipelinerl_jax.losses`. `batch` is a dict of
+    `[B, T]` arrays (see `batching.BATCH_KEYS`); B must be divisible by
+    `minibatches * micro_batches` and each micro-batch by the mesh's batch split.
+    """
+    from pipelinerl_jax.losses import LossInputs
+
+    row_sharding = sharding_lib.batch_sharding(mesh, rules)
+
+    def forward(params, ids):
+        return nnx.merge(graphdef, params)(ids)
+
+    def constrain(x):
+        return jax.lax.with_sharding_constraint(x, row_sharding)
+
+    def micro_loss(params, mb):
+        logits = forward(params, mb["input_ids"])
+        logp, entropy = logp_and_entropy(logits, mb["targets"], temperature)
+        if not use_proximal:
+            proximal = None
+        elif "logp_proximal" in mb:
+            proximal = mb["logp_proximal"]
+        else:
+            proximal = jax.lax.stop_gradient(logp)
+        inputs = LossInputs(logp=logp, logp_behaviour=mb["logp_behaviour"],
+                            logp_proximal=proximal, advantages=mb["advantages"],
+                            loss_mask=mb["loss_mask"], lag=mb["lag"],
+                            entropy=jax.lax.stop_gradient(entropy))
+        return loss_fn(inputs)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def split(x, n):
+        return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+
+    def minibatch_update(state: TrainState, mb):
+        micro = jax.tree.map(lambda x: split(x, micro_batches), mb)
+        tokens = jnp.sum(micro["loss_mask"], axis=(1, 2))
+        weights = (tokens / jnp.maximum(jnp.sum(tokens), 1.0) if token_weighted
+                   else jnp.full((micro_batches,), 1.0 / micro_batches))
+
+        def body(acc, xs):
+            one, w = xs
+            one = jax.tree.map(constrain, one)
+            (loss, metrics), grads = grad_fn(state.params, one)
+            acc_grads, acc_loss, acc_metrics = acc
+            acc_grads = jax.tree.map(lambda a, g: a + w * g, acc_grads, grads)
+            acc_metrics = jax.tree.map(lambda a, m: a + w * m, acc_metrics, metrics)
+            return (acc_grads, acc_loss + w * loss, acc_metrics), None
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        metrics_shape = jax.eval_shape(lambda: micro_loss(state.params, first)[1])
+        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
+        (grads, loss, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
+
+        grad_norm = optax.global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
+        new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
+                               state.step + ok.astype(jnp.int32))
+        metrics = dict(metrics)
+        metrics.update(loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
+        return new_state, metrics
+
+    def step(state: TrainState, batch: Dict[str, jax.Array]):
+        batch = dict(batch)
+        if use_proximal and minibatches > 1:
+            logits = forward(jax.lax.stop_gradient(state.params), batch["input_ids"])
+            batch["logp_proximal"] = logp_and_entropy(logits, batch["targets"], temperature)[0]
+        mbs = jax.tree.map(lambda x: split(x, minibatches), batch)
+        state, metrics = jax.lax.scan(minibatch_update, state, mbs)
+        out = {k: jnp.mean(v) for k, v in metrics.items()}
+        out["skipped"] = jnp.sum(metrics["skipped"])
+        return state, out
+
+    batch_sharding = {k: row_sharding for k in
+                      ("input_ids", "targets", "loss_mask", "logp_behaviour", "advantages",
+                       "lag", "kv_lag")}
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(step, in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, replicated), donate_argnums=0)

@@ -1,0 +1,109 @@
+"""Run metrics: a JSONL log, TensorBoard event files, and the reward-vs-time plot.
+
+`MetricsWriter.write(step, scalars)` appends one JSON object to `metrics.jsonl` and the same
+scalars to TensorBoard (`tb/`). Lists (e.g. response lengths) go to JSONL only, histograms of
+them to TensorBoard. See docs/metrics.md for the keys a run writes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, Iterable, List, Optional
+
+import numpy as np
+
+
+def _jsonable(v):
+    if isinstance(v, (np.generic,)):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf; keep them visible rather than dropping
+    if isinstance(v, np.ndarray):
+        return [_jsonable(x) for x in v.tolist()]
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+class MetricsWriter:
+    def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True):
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, filename)
+        self._f = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
+
+    def write(self, step: int, scalars: Dict[str, object]) -> None:
+        record = {"step": int(step)}
+        record.update({k: _jsonable(v) for k, v in scalars.items()})
+        self._f.write(json.dumps(record) + "\n")
+        if self._tb is None:
+            return
+        for k, v in scalars.items():
+            if isinstance(v, (list, tuple, np.ndarray)):
+                arr = np.asarray(v, dtype=np.float64)
+                if arr.size:
+                    self._tb.add_histogram(k, arr, step)
+            elif isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
+                self._tb.add_scalar(k, float(v), step)
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def append_jsonl(path: str, records: Iterable[dict]) -> None:
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps({k: _jsonable(v) for k, v in r.items()}) + "\n")
+
+
+def read_jsonl(path: str) -> List[dict]:
+    out = []
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+    return out
+
+
+def plot_reward(workdir: str, out: Optional[str] = None, title: str = "") -> str:
+    """reward and accuracy (train and held-out eval) against wall-clock, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    out = out or os.path.join(workdir, "reward.png")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
+
+    def series(key):
+        pts = [(r["wall_time_s"] / 60, r[key]) for r in rows
+               if isinstance(r.get(key), (int, float)) and "wall_time_s" in r]
+        return zip(*pts) if pts else ((), ())
+
+    for key, style, label in (("reward/mean", "-", "train reward"),
+                              ("accuracy", "-", "train accuracy"),
+                              ("eval/accuracy", "o-", "held-out greedy accuracy")):
+        x, y = series(key)
+        if x:
+            ax.plot(x, y, style, label=label, markersize=4, alpha=0.9 if "eval" in key else 0.6)
+    ax.set_xlabel("wall-clock (minutes)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title or os.path.basename(os.path.abspath(workdir)))
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
