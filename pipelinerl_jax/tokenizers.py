@@ -1,9 +1,9 @@
 """Tokenizers: one small interface, a fixed character vocabulary and a local HF wrapper.
 
-`encode(text)` never adds special tokens; callers add BOS/EOS where the format needs them
-(`encode_prompt` prepends BOS when the tokenizer has one). `decode(ids)` drops pad/BOS/EOS
-ids and, with `stop_at_eos=True`, ends at the first EOS, so `decode(encode(t)) == t` for any
-text the vocabulary covers.
+`encode(text)` never adds special tokens; `encode_prompt` prepends BOS (when the tokenizer
+has one) and `encode_completion` appends EOS, which is how prompts and supervised targets
+are built everywhere. `decode(ids)` drops pad/BOS/EOS ids and, with `stop_at_eos=True`,
+ends at the first EOS, so `decode(encode(t)) == t` for any text the vocabulary covers.
 
 `CharTokenizer` is the default for tiny models trained from scratch: one token per
 character, vocabulary (``CHAR_VOCAB``, 56 entries, ids fixed forever)::
@@ -71,6 +71,10 @@ class Tokenizer(abc.ABC):
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt ids: BOS (when the tokenizer has one) followed by `encode(text)`."""
         return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+
+    def encode_completion(self, text: str) -> list[int]:
+        """Target ids for supervised training: `encode(text)` followed by EOS."""
+        return self.encode(text) + [self.eos_id]
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, "
@@ -147,7 +151,10 @@ def tokenizer_config() -> ml_collections.ConfigDict:
 def validate_tokenizer_config(cfg: Any, prefix: str = "tokenizer") -> None:
     """Raises ConfigError naming the key (`tokenizer.kind`, `tokenizer.path`)."""
     check_keys(cfg, prefix, ("kind", "path"))
-    kind, path = cfg.get("kind", "char"), cfg.get("path", "")
+    try:
+        kind, path = cfg["kind"], cfg["path"]
+    except KeyError as e:
+        raise ConfigError(f"{prefix}.{e.args[0]}", "is missing from the config") from None
     if kind not in ("char", "hf"):
         raise ConfigError(f"{prefix}.kind", f"must be one of ['char', 'hf'], got {kind!r}")
     if kind == "hf":
@@ -163,4 +170,7 @@ def get_tokenizer(cfg: Any, prefix: str = "tokenizer") -> Tokenizer:
     validate_tokenizer_config(cfg, prefix)
     if cfg["kind"] == "char":
         return CharTokenizer()
-    return HFTokenizer(cfg["path"])
+    try:
+        return HFTokenizer(cfg["path"])
+    except ValueError as e:  # unloadable or without EOS: still a config problem
+        raise ConfigError(f"{prefix}.path", str(e)) from e

@@ -37,6 +37,7 @@ def test_char_vocabulary_is_fixed_and_small():
     assert tok.vocab_size == len(CHAR_VOCAB) == 56 < 64
     assert tok.encode("ab=") == [5, 6, 47]  # ids are part of saved checkpoints: never reorder
     assert tok.encode_prompt("ab=") == [1, 5, 6, 47]
+    assert tok.encode_completion("ba") == [6, 5, 2]
 
 
 def test_char_decode_drops_specials_and_stops_at_eos_only_when_asked():
@@ -104,5 +105,9 @@ def test_config_builds_and_errors_name_the_key(tmp_path, hf_dir):
         cfg.update(overrides)
         with pytest.raises(ConfigError, match=pattern):
             get_tokenizer(cfg)
+    with pytest.raises(ConfigError, match=r"^tokenizer\.path: HFTokenizer: cannot load"):
+        get_tokenizer({"kind": "hf", "path": str(tmp_path)})  # exists, holds no tokenizer
     with pytest.raises(ConfigError, match=r"^engine\.tokenizer\.vocab: unknown key"):
         get_tokenizer({"kind": "char", "path": "", "vocab": 3}, prefix="engine.tokenizer")
+    with pytest.raises(ConfigError, match=r"^tokenizer\.path: is missing"):
+        get_tokenizer({"kind": "char"})

@@ -20,6 +20,7 @@ the last '####' if there is one, else the whole completion, cut before its first
 from __future__ import annotations
 
 import collections
+import operator
 import re
 from fractions import Fraction
 from typing import Any
@@ -34,6 +35,7 @@ MAX_EXPRESSION_CHARS = 256
 MAX_NESTING = 32
 _TOKEN = re.compile(r"\s*([0-9]+|[-+*/()])")  # ASCII digits only: int() takes more
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+_APPLY = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 class ExpressionError(ValueError):
@@ -81,27 +83,24 @@ def evaluate(text: str) -> tuple[Fraction, list[int]]:
             return value
         raise ExpressionError("parse_error", f"unexpected {tok!r}")
 
-    def term(depth: int) -> Fraction:
+    def binary(depth: int, ops: str, operand) -> Fraction:
+        """One precedence level: operand (op operand)*, left-associative."""
         nonlocal pos
-        value = factor(depth)
-        while peek() in ("*", "/"):
+        value = operand(depth)
+        while peek() is not None and peek() in ops:
             op = tokens[pos]
             pos += 1
-            rhs = factor(depth)
+            rhs = operand(depth)
             if op == "/" and rhs == 0:
                 raise ExpressionError("division_by_zero")
-            value = value * rhs if op == "*" else value / rhs
+            value = _APPLY[op](value, rhs)
         return value
 
+    def term(depth: int) -> Fraction:
+        return binary(depth, "*/", factor)
+
     def expr(depth: int) -> Fraction:
-        nonlocal pos
-        value = term(depth)
-        while peek() in ("+", "-"):
-            op = tokens[pos]
-            pos += 1
-            rhs = term(depth)
-            value = value + rhs if op == "+" else value - rhs
-        return value
+        return binary(depth, "+-", term)
 
     if not tokens:
         raise ExpressionError("empty")
@@ -117,9 +116,7 @@ def _combine(a: tuple[int, str, int], b: tuple[int, str, int], op: str) -> tuple
     left = f"({a[1]})" if a[2] < prec else a[1]
     # The right operand of '-' and '/' also needs parentheses at equal precedence.
     right = f"({b[1]})" if b[2] < prec or (b[2] == prec and op in "-/") else b[1]
-    value = {"+": a[0] + b[0], "-": a[0] - b[0], "*": a[0] * b[0]}.get(op)
-    if value is None:
-        value = a[0] // b[0]
+    value = a[0] // b[0] if op == "/" else _APPLY[op](a[0], b[0])  # '/' only when exact
     return value, f"{left}{op}{right}", prec
 
 
