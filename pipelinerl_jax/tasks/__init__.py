@@ -1,0 +1,75 @@
+"""Tasks with verifiable rewards, and the registry that builds one from the `task` config.
+
+Built in (``task.name``):
+  reverse, copy, sort  synthetic strings with lognormal lengths (`synthetic.py`)
+  countdown            reach a target with + - * / over given numbers (`countdown.py`)
+  gsm8k                math word problems from a local GSM8K-format JSONL (`gsm8k.py`)
+
+The `task` section is flat: every task's keys are present (so ``--config.task.name=countdown``
+works on any config file) and only the chosen task's keys are validated and used. Unknown
+keys are errors, so typos never pass silently.
+
+    task = get_task(cfg.task)            # validates; ConfigError names e.g. 'task.median_length'
+    for problem in task.problems(seed):  # endless, deterministic per seed
+        ...
+        result = task.reward(problem, text, finish_reason)   # never raises
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import ml_collections
+
+from pipelinerl_jax import config as cfglib
+from pipelinerl_jax.tasks import countdown, gsm8k, synthetic
+from pipelinerl_jax.tasks.base import (HELD_OUT_MODULUS, GeneratedTask, Problem, RewardResult,
+                                       Task, is_held_out, nested, stable_hash)
+from pipelinerl_jax.tasks.countdown import CountdownTask
+from pipelinerl_jax.tasks.gsm8k import GSM8KTask
+from pipelinerl_jax.tasks.synthetic import SyntheticStringTask
+
+__all__ = [
+    "HELD_OUT_MODULUS", "GeneratedTask", "Problem", "RewardResult", "Task", "is_held_out",
+    "stable_hash", "CountdownTask", "GSM8KTask", "SyntheticStringTask", "REGISTRY",
+    "task_config", "get_task", "validate_task_config",
+]
+
+# name -> builder(name, task_section, prefix) that validates its own keys.
+REGISTRY: dict[str, Callable[[str, Any, str], Task]] = {
+    **{variant: synthetic.from_config for variant in synthetic.VARIANTS},
+    "countdown": countdown.from_config,
+    "gsm8k": gsm8k.from_config,
+}
+_COMMON = {"name": "reverse", "truncated_reward": 0.0}
+_DEFAULTS = {**_COMMON, **synthetic.DEFAULTS, **countdown.DEFAULTS, **gsm8k.DEFAULTS}
+
+
+def task_config(name: str = "reverse", **overrides: Any) -> ml_collections.ConfigDict:
+    """The flat `task` section with every key at its default; `overrides` replace defaults.
+
+    Common keys: `name`, `truncated_reward` (reward of a completion that ended without EOS).
+    reverse/copy/sort: `median_length`, `p99_length`, `min_length`, `max_length`,
+    `partial_credit` ('none' | 'prefix'). countdown: `num_numbers`, `max_operand`,
+    `max_target`, `use_all_numbers`. gsm8k: `path`, `eval_path`, `eval_size`,
+    `prompt_template`, `max_completion_tokens`.
+    """
+    unknown = set(overrides) - set(_DEFAULTS)
+    if unknown:
+        raise cfglib.ConfigError(f"task.{sorted(unknown)[0]}",
+                                 f"unknown key; valid keys: {sorted(_DEFAULTS)}")
+    cfg = ml_collections.ConfigDict(dict(_DEFAULTS))
+    cfg.name = name
+    cfg.update(overrides)
+    return cfg
+
+
+def get_task(cfg: Any, prefix: str = "task") -> Task:
+    """Validates a `task_config()` section and builds its task (ConfigError names the key)."""
+    cfglib.check_keys(cfg, prefix, _DEFAULTS)
+    name = cfglib.one_of(nested(prefix, cfg), f"{prefix}.name", sorted(REGISTRY))
+    return REGISTRY[name](name, cfg, prefix)
+
+
+def validate_task_config(cfg: Any, prefix: str = "task") -> None:
+    """Fails early with a ConfigError naming the key; for gsm8k this also reads the files."""
+    get_task(cfg, prefix)
