@@ -6,24 +6,35 @@ Learner loop, in order (why: a rollout may never carry a version the queue has n
     ... train → version v+1 ...
     queue.set_version(v + 1); publisher.publish(v + 1, flat_params)
     ... after the checkpoint holding the step is saved: queue.ack([batch.batch_id, ...])
-"""
-from pipelinerl_jax.transport.codec import InvalidRollout, Limits, rollout_from_pb, rollout_to_pb
-from pipelinerl_jax.transport.config import (
-    client_kwargs, queue_address, transport_config, validate_transport_config, weights_address)
-from pipelinerl_jax.transport.queue_client import (
-    Batch, PutResult, QueueUnavailable, RetryPolicy, RolloutQueueClient, RolloutRejected,
-    SessionSupersededError, TransportError)
-from pipelinerl_jax.transport.queue_server import RolloutQueueServer
-from pipelinerl_jax.transport.security import TLSConfig
-from pipelinerl_jax.transport.versioned_dir import (
-    gc_versions, latest_version, list_versions, write_versioned_dir)
-from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
 
-__all__ = [
-    "Batch", "InvalidRollout", "Limits", "PutResult", "QueueUnavailable", "RetryPolicy",
-    "RolloutQueueClient", "RolloutQueueServer", "RolloutRejected", "SessionSupersededError",
-    "TLSConfig", "TransportError", "WeightPublisher", "WeightSubscriber", "client_kwargs",
-    "gc_versions", "latest_version", "list_versions", "queue_address", "rollout_from_pb",
-    "rollout_to_pb", "transport_config", "validate_transport_config", "weights_address",
-    "write_versioned_dir",
-]
+Names are imported lazily (PEP 562), so `python -m pipelinerl_jax.transport.queue_server`
+runs its module once and `import pipelinerl_jax.transport` stays cheap.
+"""
+import importlib
+
+_EXPORTS = {
+    "codec": ["InvalidRollout", "Limits", "rollout_from_pb", "rollout_to_pb"],
+    "config": ["client_kwargs", "publisher_kwargs", "queue_address", "subscriber_kwargs",
+               "transport_config", "validate_transport_config", "weights_address"],
+    "queue_client": ["Batch", "PutResult", "QueueUnavailable", "RetryPolicy",
+                     "RolloutQueueClient", "RolloutRejected", "SessionSupersededError",
+                     "TransportError"],
+    "queue_server": ["RolloutQueueServer"],
+    "security": ["TLSConfig"],
+    "versioned_dir": ["gc_versions", "latest_version", "list_versions", "write_versioned_dir"],
+    "weights": ["WeightPublisher", "WeightSubscriber"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,9 +1,11 @@
 """The `transport` config section and its validation (one message naming the key).
 
-    cfg.transport = transport_config()
-    validate_transport_config(cfg.transport, "transport")
-    server = RolloutQueueServer.from_config(cfg.transport)
-    client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
+    t = cfg.transport = transport_config()
+    validate_transport_config(t, "transport")
+    server = RolloutQueueServer.from_config(t)                     # queue process
+    client = RolloutQueueClient(queue_address(t), **client_kwargs(t))   # workers, learner
+    publisher = WeightPublisher(weights_address(t), **publisher_kwargs(t))         # learner
+    subscriber = WeightSubscriber(weights_address(t), on_weights, **subscriber_kwargs(t))
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ def transport_config() -> ConfigDict:
     c.max_message_bytes = 64 * _MIB  # gRPC send/receive limit on both sides of the queue
     # Weight sync
     c.weight_chunk_bytes = 4 * _MIB
+    c.weight_checksum = True         # crc32 per chunk, verified before on_weights
     # Security
     c.auth_token = config_dict.placeholder(str)
     c.auth_token_file = config_dict.placeholder(str)
@@ -100,6 +103,9 @@ def validate_transport_config(cfg, prefix: str = "transport") -> None:
     chunk = _checked(prefix, positive_int, cfg, "weight_chunk_bytes")
     if not 1024 <= chunk <= 256 * _MIB:
         raise ConfigError(k("weight_chunk_bytes"), f"must be in [1024, 256 MiB], got {chunk}")
+    for name in ("weight_checksum", "allow_insecure_remote"):
+        if not isinstance(v[name], bool):
+            raise ConfigError(k(name), f"must be True or False, got {v[name]!r}")
     if v["auth_token"] and v["auth_token_file"]:
         raise ConfigError(k("auth_token"), "set auth_token or auth_token_file, not both")
     for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
@@ -142,6 +148,21 @@ def weights_address(cfg) -> str:
 
 
 def client_kwargs(cfg) -> dict:
-    """`token` and `tls` for RolloutQueueClient / WeightSubscriber from the section."""
+    """Keyword arguments of RolloutQueueClient from the section (token, tls, message limit)."""
     return {"token": load_token(cfg.auth_token, cfg.auth_token_file),
-            "tls": tls_from_config(cfg, server=False)}
+            "tls": tls_from_config(cfg, server=False),
+            "max_message_bytes": cfg.max_message_bytes}
+
+
+def subscriber_kwargs(cfg) -> dict:
+    """Keyword arguments of WeightSubscriber from the section."""
+    return {"token": load_token(cfg.auth_token, cfg.auth_token_file),
+            "tls": tls_from_config(cfg, server=False),
+            "max_message_bytes": cfg.weight_chunk_bytes + _MIB}
+
+
+def publisher_kwargs(cfg) -> dict:
+    """Keyword arguments of WeightPublisher (after its bind address) from the section."""
+    return {"token": load_token(cfg.auth_token, cfg.auth_token_file),
+            "tls": tls_from_config(cfg, server=True), "chunk_bytes": cfg.weight_chunk_bytes,
+            "checksum": cfg.weight_checksum}

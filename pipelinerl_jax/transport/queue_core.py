@@ -9,8 +9,9 @@ outstanding. A pending group reserves all `group_size` rollout slots when its fi
 is admitted, so groups that have started can always finish (no deadlock from half-groups
 filling the queue); bytes are counted as they arrive, and a new group is admitted only if its
 estimated full size (first piece's bytes per rollout × group_size) fits. A put that does not
-fit waits up to `hold_s` for room, then raises `QueueFull` (RESOURCE_EXHAUSTED); nothing is
-stored by a refused put, so the producer retries the same request.
+fit waits up to `hold_s` for room (at most `max_concurrent_holds` puts wait at once; the rest
+are refused at once), then raises `QueueFull` (RESOURCE_EXHAUSTED); nothing is stored by a
+refused put, so the producer retries the same request.
 
 Staleness at get time, against the learner's current version L: a group's lag is
 `L - min(version)` over all its tokens. With `max_lag` set, groups with lag > max_lag are
@@ -93,12 +94,15 @@ class _Bounded(collections.OrderedDict):
 class QueueCore:
     def __init__(self, capacity_rollouts: int = 4096, capacity_bytes: int = 1 << 30,
                  max_lag: Optional[int] = None, stale_policy: str = "drop",
-                 incomplete_group_timeout_s: float = 600.0, clock: Callable = time.monotonic):
+                 incomplete_group_timeout_s: float = 600.0, max_concurrent_holds: int = 16,
+                 clock: Callable = time.monotonic):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
         self.capacity_rollouts, self.capacity_bytes = capacity_rollouts, capacity_bytes
         self.max_lag, self.stale_policy = max_lag, stale_policy
         self.incomplete_group_timeout_s = incomplete_group_timeout_s
+        self.max_concurrent_holds = max_concurrent_holds
+        self._holding = 0
         self.server_id = uuid.uuid4().hex[:12]
         self._clock = clock
         self._started = clock()
@@ -142,28 +146,38 @@ class QueueCore:
         Raises GroupRejected (bad group membership), NoVersionYet, QueueFull.
         """
         deadline = self._clock() + max(0.0, hold_s)
+        holding = False  # counted in self._holding while this put waits for room
         with self._cv:
-            while True:
-                self._expire_locked()
-                if request_id and request_id in self._requests:
-                    self.counters["put_duplicates"] += 1
-                    return 0, True
-                plan = self._plan_locked(infos)  # raises GroupRejected
-                if self.learner_version is None and any(i.max_version > 0 for i in infos):
-                    self.counters["put_refused_no_version"] += 1
-                    raise NoVersionYet("no learner version announced yet; rollouts with "
-                                       "version > 0 cannot be checked against it")
-                need_slots, need_bytes = plan
-                if (self._held_rollouts + need_slots <= self.capacity_rollouts and
-                        self._held_bytes + need_bytes <= self.capacity_bytes):
-                    break
-                remaining = deadline - self._clock()
-                if remaining <= 0 or self._closed:
-                    self.counters["put_refused_full"] += 1
-                    raise QueueFull(
-                        f"queue full: holding {self._held_rollouts}/{self.capacity_rollouts} "
-                        f"rollouts, {self._held_bytes}/{self.capacity_bytes} bytes")
-                self._cv.wait(min(remaining, 0.5))
+            try:
+                while True:
+                    self._expire_locked()
+                    if request_id and request_id in self._requests:
+                        self.counters["put_duplicates"] += 1
+                        return 0, True
+                    need_slots, need_bytes = self._plan_locked(infos)  # raises GroupRejected
+                    if self.learner_version is None and any(i.max_version > 0 for i in infos):
+                        self.counters["put_refused_no_version"] += 1
+                        raise NoVersionYet("no learner version announced yet; rollouts with "
+                                           "version > 0 cannot be checked against it")
+                    if (self._held_rollouts + need_slots <= self.capacity_rollouts and
+                            self._held_bytes + need_bytes <= self.capacity_bytes):
+                        break
+                    remaining = deadline - self._clock()
+                    # Held puts occupy server threads: cap them so the learner's GetBatch
+                    # (the only thing that frees room) always finds a thread.
+                    if not holding and self._holding < self.max_concurrent_holds:
+                        holding = True
+                        self._holding += 1
+                    if remaining <= 0 or self._closed or not holding:
+                        self.counters["put_refused_full"] += 1
+                        raise QueueFull(
+                            f"queue full: holding {self._held_rollouts}/"
+                            f"{self.capacity_rollouts} rollouts, {self._held_bytes}/"
+                            f"{self.capacity_bytes} bytes")
+                    self._cv.wait(min(remaining, 0.5))
+            finally:
+                if holding:
+                    self._holding -= 1
             self._store_locked(rollouts, infos)
             if request_id:
                 self._requests.add(request_id)

@@ -60,8 +60,10 @@ class RolloutQueueServer:
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  token: Optional[str] = None, tls: Optional[TLSConfig] = None,
                  max_workers: int = 64):
+        # A quarter of the threads may hold puts; the rest serve GetBatch/Ack/stats.
         self.core = QueueCore(capacity_rollouts, capacity_bytes, max_lag, stale_policy,
-                              incomplete_group_timeout_s)
+                              incomplete_group_timeout_s,
+                              max_concurrent_holds=max(1, max_workers // 4))
         self.limits = limits
         self.max_hold_s = max_hold_s
         self._health = health.HealthServicer()

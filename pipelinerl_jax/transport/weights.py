@@ -36,10 +36,12 @@ import threading
 import time
 import uuid
 import zlib
-from typing import Callable, Mapping, Optional
+from concurrent import futures
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport.codec import dtype_from_name
@@ -77,15 +79,16 @@ def _len_field(field: int, length: int) -> bytes:
 
 
 class _Version:
-    """One published version. Chunk frames are built lazily, as a stream asks for them, so
-    streaming starts at once and publish() copies nothing; each chunk's crc32 is computed
-    once and shared by all subscribers."""
+    """One published version. `publish` copies nothing: chunk frames are built when a stream
+    sends them, straight from the tensor memory. The crc32 of every chunk is computed once,
+    ahead of the streams on a background thread (zlib releases the GIL), and shared."""
 
     def __init__(self, version: int, publisher_id: str, params: Mapping[str, np.ndarray],
-                 chunk_bytes: int):
+                 chunk_bytes: int, crc_pool: Optional[futures.Executor]):
         if sys.byteorder != "little":
             raise NotImplementedError("weight sync assumes a little-endian host")
-        header = pb.WeightHeader(version=version, publisher_id=publisher_id)
+        header = pb.WeightHeader(version=version, publisher_id=publisher_id,
+                                 has_crc32=crc_pool is not None)
         self.segments, offset = [], 0  # (payload offset, uint8 view of the tensor)
         for name, value in params.items():
             arr = np.asarray(value)
@@ -104,7 +107,13 @@ class _Version:
         self.header = pb.WeightMessage(header=header).SerializeToString()
         self.commit = pb.WeightMessage(commit=pb.WeightCommit(
             version=version, total_bytes=offset, num_chunks=self.num_chunks)).SerializeToString()
-        self._crcs: list[Optional[int]] = [None] * self.num_chunks
+        self._crcs = None if crc_pool is None else [
+            crc_pool.submit(self._crc, i) for i in range(self.num_chunks)]
+
+    def cancel_pending(self) -> None:
+        """A newer version exists: skip checksums nobody may need (computed on demand)."""
+        for f in self._crcs or ():
+            f.cancel()
 
     def frames(self):
         yield self.header
@@ -112,7 +121,8 @@ class _Version:
             yield self._chunk(i)
         yield self.commit
 
-    def _chunk(self, index: int) -> bytes:
+    def _pieces(self, index: int) -> list:
+        """The chunk's payload as views of the tensors (plus zero padding)."""
         start = index * self.chunk_bytes
         end = min(self.nbytes, start + self.chunk_bytes)
         pieces, pos = [], start
@@ -128,17 +138,27 @@ class _Version:
             pos += piece.size
         if pos < end:
             pieces.append(bytes(end - pos))
-        if self._crcs[index] is None:
-            crc = 0
-            for piece in pieces:
-                crc = zlib.crc32(piece, crc)
-            self._crcs[index] = crc
+        return pieces
+
+    def _crc(self, index: int) -> int:
+        crc = 0
+        for piece in self._pieces(index):
+            crc = zlib.crc32(piece, crc)
+        return crc
+
+    def _chunk(self, index: int) -> bytes:
+        pieces = self._pieces(index)
+        length = sum(len(p) for p in pieces)
+        crc = 0
+        if self._crcs is not None:
+            f = self._crcs[index]
+            crc = self._crc(index) if f.cancelled() else f.result()
         # WeightMessage{chunk: WeightChunk{version, index, offset, crc32, data}} written by
         # hand around the tensor memory: the payload is copied once, by this join.
-        head = pb.WeightChunk(version=self.version, index=index, offset=start,
-                              crc32=self._crcs[index]).SerializeToString()
-        head += _len_field(5, end - start)
-        return b"".join([_len_field(2, len(head) + end - start), head, *pieces])
+        head = pb.WeightChunk(version=self.version, index=index,
+                              offset=index * self.chunk_bytes, crc32=crc).SerializeToString()
+        head += _len_field(5, length)
+        return b"".join([_len_field(2, len(head) + length), head, *pieces])
 
 
 class WeightPublisher:
@@ -146,10 +166,12 @@ class WeightPublisher:
 
     def __init__(self, bind_address: str = f"{DEFAULT_HOST}:0", token: Optional[str] = None,
                  tls: Optional[TLSConfig] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 max_message_bytes: Optional[int] = None, max_workers: int = 64):
+                 checksum: bool = True, max_message_bytes: Optional[int] = None,
+                 max_workers: int = 64):
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be >= 1024, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        self._crc_pool = futures.ThreadPoolExecutor(1) if checksum else None
         self.max_message_bytes = max_message_bytes or chunk_bytes + (1 << 20)
         self.publisher_id = uuid.uuid4().hex[:12]
         self._cv = threading.Condition()
@@ -180,10 +202,13 @@ class WeightPublisher:
         latest = self.latest_version
         if version <= latest:
             raise ValueError(f"version {version} is not newer than published {latest}")
-        frames = _Version(int(version), self.publisher_id, params, self.chunk_bytes)
+        frames = _Version(int(version), self.publisher_id, params, self.chunk_bytes,
+                          self._crc_pool)
         with self._cv:
             if self._latest is not None and version <= self._latest.version:
                 raise ValueError(f"version {version} raced with {self._latest.version}")
+            if self._latest is not None:
+                self._latest.cancel_pending()
             self._latest = frames
             self._cv.notify_all()
 
@@ -208,6 +233,8 @@ class WeightPublisher:
             self._stopped = True
             self._cv.notify_all()
         self._server.stop(grace).wait()
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self):
         return self
@@ -218,6 +245,72 @@ class WeightPublisher:
 
 class _CorruptVersion(Exception):
     pass
+
+
+class _ChunkView(NamedTuple):
+    """A WeightChunk whose `data` is a zero-copy view of the received message."""
+    version: int
+    index: int
+    offset: int
+    crc32: int
+    data: memoryview
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise _CorruptVersion("truncated varint")
+        b = buf[pos]
+        value |= (b & 0x7F) << shift
+        pos += 1
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _parse_chunk(body: memoryview) -> _ChunkView:
+    """WeightChunk wire format → _ChunkView, reading `data` as a view (protobuf's parser would
+    copy the payload twice: into the message, then into a new bytes object)."""
+    fields = {1: 0, 2: 0, 3: 0, 4: 0, 5: memoryview(b"")}
+    pos = 0
+    while pos < len(body):
+        tag, pos = _read_varint(body, pos)
+        number, wire_type = tag >> 3, tag & 7
+        if wire_type == 0:
+            value, pos = _read_varint(body, pos)
+        elif wire_type == 5:
+            value, pos = int.from_bytes(body[pos:pos + 4], "little"), pos + 4
+        elif wire_type == 1:
+            value, pos = int.from_bytes(body[pos:pos + 8], "little"), pos + 8
+        elif wire_type == 2:
+            n, pos = _read_varint(body, pos)
+            value, pos = body[pos:pos + n], pos + n
+        else:
+            raise _CorruptVersion(f"unsupported wire type {wire_type}")
+        if pos > len(body):
+            raise _CorruptVersion("truncated chunk")
+        if number in fields:
+            fields[number] = value
+    return _ChunkView(*(fields[i] for i in range(1, 6)))
+
+
+def _parse_message(raw: bytes):
+    """A WeightMessage → ('header'|'chunk'|'commit', message); chunks as _ChunkView."""
+    buf = memoryview(raw)
+    try:
+        tag, pos = _read_varint(buf, 0)
+        length, pos = _read_varint(buf, pos)
+    except _CorruptVersion:
+        tag = pos = length = -1
+    if tag == (2 << 3 | 2) and pos + length == len(buf):  # the layout our publisher sends
+        return "chunk", _parse_chunk(buf[pos:])
+    msg = pb.WeightMessage.FromString(raw)  # any other valid encoding
+    kind = msg.WhichOneof("kind")
+    if kind == "chunk":
+        c = msg.chunk
+        return kind, _ChunkView(c.version, c.index, c.offset, c.crc32, memoryview(c.data))
+    return kind, getattr(msg, kind) if kind else None
 
 
 class _BufferPool:
@@ -248,10 +341,11 @@ class _Assembler:
     """Collects one version's chunks into a single buffer, checking everything."""
 
     def __init__(self, header: pb.WeightHeader, max_bytes: int, pool: _BufferPool,
-                 verify_crc: bool = True):
+                 crc_pool: Optional[futures.Executor] = None):
         if header.total_bytes < 0 or header.total_bytes > max_bytes:
             raise _CorruptVersion(f"total_bytes {header.total_bytes} out of range")
-        self.header, self.verify_crc = header, verify_crc
+        # crc32 runs on `crc_pool` (zlib releases the GIL) while the next chunk arrives.
+        self.header, self.crc_pool, self.crcs = header, crc_pool, []
         self.buffer = pool.get(header.total_bytes)
         self.next_index = self.next_offset = 0
         self.specs = []
@@ -263,19 +357,21 @@ class _Assembler:
                 raise _CorruptVersion(f"tensor {t.name!r}: inconsistent spec")
             self.specs.append((t.name, dt, tuple(t.shape), t.offset, n))
 
-    def add(self, chunk: pb.WeightChunk) -> None:
+    def add(self, chunk) -> None:
+        """`chunk`: a pb.WeightChunk or _ChunkView (same field names)."""
         h = self.header
         if chunk.version != h.version or chunk.index != self.next_index or \
                 chunk.offset != self.next_offset:
             raise _CorruptVersion(f"chunk {chunk.index}@{chunk.offset} of version "
                                   f"{chunk.version} out of order")
         data = chunk.data
-        if self.next_offset + len(data) > h.total_bytes:
+        start, end = self.next_offset, self.next_offset + len(data)
+        if end > h.total_bytes:
             raise _CorruptVersion("chunks exceed total_bytes")
-        if self.verify_crc and zlib.crc32(data) != chunk.crc32:
-            raise _CorruptVersion(f"chunk {chunk.index}: crc32 mismatch")
-        self.buffer[self.next_offset:self.next_offset + len(data)] = \
-            np.frombuffer(data, np.uint8)
+        self.buffer[start:end] = np.frombuffer(data, np.uint8)
+        if self.crc_pool is not None and h.has_crc32:  # the bytes as they landed
+            self.crcs.append((chunk.index, chunk.crc32,
+                              self.crc_pool.submit(zlib.crc32, self.buffer[start:end])))
         self.next_index += 1
         self.next_offset += len(data)
 
@@ -287,6 +383,9 @@ class _Assembler:
             raise _CorruptVersion(f"version {h.version} incomplete: {self.next_index}/"
                                   f"{h.num_chunks} chunks, {self.next_offset}/"
                                   f"{h.total_bytes} bytes")
+        for index, expected, crc in self.crcs:
+            if crc.result() != expected:
+                raise _CorruptVersion(f"chunk {index}: crc32 mismatch")
         return {name: self.buffer[off:off + n].view(dt).reshape(shape)
                 for name, dt, shape, off, n in self.specs}
 
@@ -307,11 +406,11 @@ class WeightSubscriber:
         self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls=tls)
         self._subscribe = self._channel.unary_stream(
             SUBSCRIBE, request_serializer=pb.SubscribeRequest.SerializeToString,
-            response_deserializer=pb.WeightMessage.FromString)
+            response_deserializer=_identity)  # parsed by _parse_message
         self._md = call_metadata(token)
         self._retry, self._max_bytes = retry, max_version_bytes
         self._pool = _BufferPool()
-        self._verify_crc = verify_crc
+        self._crc_pool = futures.ThreadPoolExecutor(1) if verify_crc else None
         self.subscriber_id = subscriber_id or uuid.uuid4().hex[:12]
         self._cv = threading.Condition()
         self._latest, self._publisher_id = -1, ""
@@ -345,20 +444,20 @@ class WeightSubscriber:
                                         subscriber_id=self.subscriber_id), metadata=self._md)
                 if self._closed:  # close() raced with the call's creation
                     self._call.cancel()
-                for msg in self._call:
-                    kind = msg.WhichOneof("kind")
+                for raw in self._call:
+                    kind, msg = _parse_message(raw)
                     if kind == "header":
                         if assembler is not None:
                             raise _CorruptVersion("new header before commit")
-                        assembler = _Assembler(msg.header, self._max_bytes, self._pool,
-                                               self._verify_crc)
-                        self.receiving = (msg.header.version, 0, msg.header.total_bytes)
+                        assembler = _Assembler(msg, self._max_bytes, self._pool,
+                                               self._crc_pool)
+                        self.receiving = (msg.version, 0, msg.total_bytes)
                     elif kind == "chunk" and assembler is not None:
-                        assembler.add(msg.chunk)
+                        assembler.add(msg)
                         self.receiving = (assembler.header.version, assembler.next_offset,
                                           assembler.header.total_bytes)
                     elif kind == "commit" and assembler is not None:
-                        self._apply(assembler.header, assembler.finish(msg.commit))
+                        self._apply(assembler.header, assembler.finish(msg))
                         assembler = None  # drop our references: the buffer may be recycled
                         attempt = 0
                     else:
@@ -367,7 +466,7 @@ class WeightSubscriber:
                 if self._closed:
                     break
                 self.last_error = f"{e.code().name}: {e.details()}"
-            except (_CorruptVersion, ValueError) as e:
+            except (_CorruptVersion, DecodeError, ValueError) as e:
                 self.last_error = f"corrupt stream: {e}"
                 log.warning("weight subscriber %s: %s", self.subscriber_id, self.last_error)
                 if self._call is not None:
@@ -404,6 +503,8 @@ class WeightSubscriber:
             call.cancel()
         self._thread.join(timeout)
         self._channel.close()
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown(wait=False)
 
     def __enter__(self):
         return self

@@ -207,3 +207,20 @@ def test_large_batches_stream_in_pieces(monkeypatch):
     batch = core.get_batch(1, 0.0, "s")
     assert len(batch.pieces) > 1
     assert sorted(members(batch)) == [("g", i) for i in range(8)]
+
+
+def test_only_a_few_puts_may_hold_server_threads():
+    import threading
+    core = QueueCore(capacity_rollouts=1, max_concurrent_holds=1)
+    core.set_version(0)
+    put(core, make_group("full", 1))
+    holder = threading.Thread(target=lambda: pytest.raises(QueueFull, put, core,
+                                                           make_group("a", 1), hold_s=2.0))
+    holder.start()
+    while core._holding == 0:
+        pass
+    with pytest.raises(QueueFull):  # the one hold slot is taken: refused at once, ...
+        put(core, make_group("b", 1), hold_s=10.0)
+    assert holder.is_alive()  # ... i.e. while the first put is still being held
+    holder.join()
+    assert core._holding == 0 and core.stats().put_refused_full == 2

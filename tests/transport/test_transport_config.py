@@ -10,7 +10,8 @@ from pipelinerl_jax.transport.queue_server import RolloutQueueServer
 def test_defaults_are_valid_and_loopback():
     cfg = transport_config()
     validate_transport_config(cfg, "transport")
-    assert cfg.host == "127.0.0.1" and client_kwargs(cfg) == {"token": None, "tls": None}
+    assert cfg.host == "127.0.0.1"
+    assert client_kwargs(cfg) == {"token": None, "tls": None, "max_message_bytes": 64 << 20}
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -26,9 +27,10 @@ def test_defaults_are_valid_and_loopback():
     ("tls_cert_file", "/no/such/cert.pem", "transport.tls_cert_file"),
     ("auth_token_file", "/no/such/token", "transport.auth_token_file"),
     ("host", "0.0.0.0", "transport.host: '0.0.0.0' is not a loopback"),
+    ("weight_checksum", "yes", "transport.weight_checksum"),
 ])
 def test_bad_values_name_the_key(key, value, match):
-    cfg = transport_config()
+    cfg = transport_config().to_dict()  # a plain dict: ConfigDict would refuse wrong types
     cfg[key] = value
     with pytest.raises(ConfigError, match=match):
         validate_transport_config(cfg, "transport")
@@ -49,6 +51,22 @@ def test_unknown_key_and_conflicts(tmp_path):
     cfg.host = "0.0.0.0"  # remote binding is fine once a token is configured
     validate_transport_config(cfg, "transport")
     assert client_kwargs(cfg)["token"] == "t0k"
+
+
+def test_weight_sync_from_config():
+    from pipelinerl_jax.transport.config import publisher_kwargs, subscriber_kwargs
+    from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+    cfg = transport_config()
+    cfg.weights_port, cfg.weight_chunk_bytes = 0, 4096
+    validate_transport_config(cfg, "transport")
+    got = []
+    with WeightPublisher(f"{cfg.host}:{cfg.weights_port}", **publisher_kwargs(cfg)) as pub:
+        sub = WeightSubscriber(pub.address, lambda v, p: got.append(v), **subscriber_kwargs(cfg))
+        import numpy as np
+        pub.publish(0, {"w": np.zeros(5000, np.float32)})
+        assert sub.wait_for_version(0, 10)
+        sub.close()
+    assert got == [0]
 
 
 def test_server_from_config():

@@ -4,6 +4,7 @@ import os
 import signal
 import threading
 import time
+from concurrent import futures
 
 import ml_dtypes
 import numpy as np
@@ -155,7 +156,8 @@ def test_token_and_tls_on_the_weight_service(tmp_path):
 
 
 def _header(total=10, chunks=2):
-    h = pb.WeightHeader(version=4, publisher_id="p", total_bytes=total, num_chunks=chunks)
+    h = pb.WeightHeader(version=4, publisher_id="p", total_bytes=total, num_chunks=chunks,
+                        has_crc32=True)
     h.tensors.add(name="w", dtype="uint8", shape=[total], offset=0, nbytes=total)
     return h
 
@@ -168,10 +170,13 @@ def _chunk(index, offset, data, crc=None, version=4):
 
 @pytest.mark.parametrize("bad", ["crc", "order", "version", "overflow", "short"])
 def test_corrupt_or_incomplete_versions_are_refused(bad):
-    asm = weights._Assembler(_header(), 1 << 20, weights._BufferPool())
+    asm = weights._Assembler(_header(), 1 << 20, weights._BufferPool(),
+                             futures.ThreadPoolExecutor(1))
     with pytest.raises(weights._CorruptVersion):
         if bad == "crc":
             asm.add(_chunk(0, 0, b"01234", crc=123))
+            asm.add(_chunk(1, 5, b"56789"))
+            asm.finish(pb.WeightCommit(version=4, total_bytes=10, num_chunks=2))
         elif bad == "order":
             asm.add(_chunk(1, 5, b"56789"))
         elif bad == "version":
@@ -229,3 +234,26 @@ def test_many_subscribers_share_one_serialization():
         for s in subs:
             s.close()
     assert all(r.versions == [1] and not r.errors for r in recs)
+
+
+def test_hand_framed_chunks_parse_like_protobuf():
+    params = {"a": np.arange(3000, dtype=np.float32), "b": np.ones(7, ml_dtypes.bfloat16)}
+    version = weights._Version(9, "pub", params, 4096, futures.ThreadPoolExecutor(1))
+    frames = list(version.frames())
+    assert len(frames) == version.num_chunks + 2
+    for raw in frames[1:-1]:
+        kind, view = weights._parse_message(raw)
+        ref = pb.WeightMessage.FromString(raw)
+        assert kind == ref.WhichOneof("kind") == "chunk"
+        assert (view.version, view.index, view.offset, view.crc32, bytes(view.data)) == (
+            ref.chunk.version, ref.chunk.index, ref.chunk.offset, ref.chunk.crc32,
+            ref.chunk.data)
+    # Another valid encoding (fields reordered by a different publisher) still parses.
+    other = pb.WeightMessage(chunk=pb.WeightChunk(data=b"xyz", crc32=5, offset=2, index=1,
+                                                  version=3)).SerializeToString()
+    kind, view = weights._parse_message(other)
+    assert kind == "chunk" and (view.version, view.index, bytes(view.data)) == (3, 1, b"xyz")
+    kind, header = weights._parse_message(frames[0])
+    assert kind == "header" and header.version == 9 and len(header.tensors) == 2
+    with pytest.raises(Exception):
+        weights._parse_message(b"\x12\xff\xff")
