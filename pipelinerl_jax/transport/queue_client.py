@@ -55,8 +55,16 @@ class SessionSupersededError(TransportError):
     """Another consumer session took over the queue (a newer learner process)."""
 
 
+def _too_large(e: grpc.RpcError) -> bool:
+    """gRPC's own message-size refusal, also RESOURCE_EXHAUSTED, but never worth a retry."""
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (
+        e.details() or "")
+
+
 def _translate(e: grpc.RpcError) -> TransportError:
     code, details = e.code(), e.details() or ""
+    if _too_large(e):
+        return RolloutRejected(code, f"request: {details}")
     if code in _REJECT:
         if "superseded" in details:
             return SessionSupersededError(code, details)
@@ -126,6 +134,7 @@ class RolloutQueueClient:
                  retry: RetryPolicy = RetryPolicy(), hold_s: float = 1.0,
                  rpc_timeout_s: float = 30.0, session_id: Optional[str] = None):
         self.address = address
+        self.max_message_bytes = max_message_bytes
         self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls=tls)
         self._stub = pb_grpc.RolloutQueueStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -144,7 +153,8 @@ class RolloutQueueClient:
                 return call()
             except grpc.RpcError as e:
                 now = time.monotonic()
-                if e.code() not in retryable or (deadline is not None and now >= deadline):
+                if e.code() not in retryable or _too_large(e) or (
+                        deadline is not None and now >= deadline):
                     raise _translate(e) from None
                 self.retry_counts[e.code().name] += 1
                 delay = self.retry.delay(attempt)
@@ -153,6 +163,16 @@ class RolloutQueueClient:
 
     # ---------------------------------------------------------------- producers
 
+    def _request(self, rollouts: Sequence[types.Rollout]) -> pb.PutRequest:
+        request = pb.PutRequest(rollouts=[rollout_to_pb(r) for r in rollouts],
+                                request_id=uuid.uuid4().hex, hold_s=self.hold_s)
+        size = request.ByteSize()
+        if size > self.max_message_bytes:  # would be refused by gRPC on every retry
+            raise RolloutRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request: {size} bytes exceed max_message_bytes="
+                                  f"{self.max_message_bytes}; put fewer rollouts at once")
+        return request
+
     def put(self, rollouts: Sequence[types.Rollout],
             timeout_s: Optional[float] = None) -> PutResult:
         """Stores `rollouts` atomically, retrying backpressure and outages.
@@ -160,8 +180,7 @@ class RolloutQueueClient:
         `timeout_s=None` retries until stored (backpressure may last as long as the learner
         is slow); otherwise `QueueUnavailable` after `timeout_s`.
         """
-        request = pb.PutRequest(rollouts=[rollout_to_pb(r) for r in rollouts],
-                                request_id=uuid.uuid4().hex, hold_s=self.hold_s)
+        request = self._request(rollouts)
         resp = self._retrying(
             lambda: self._stub.Put(request, timeout=self.hold_s + self.rpc_timeout_s,
                                    metadata=self._md),
@@ -188,9 +207,7 @@ class RolloutQueueClient:
         A rejected piece gets a result with its code/message/field; the others still land.
         Backpressured or unsent pieces are re-sent (same request ids) until `timeout_s`.
         """
-        requests = [pb.PutRequest(rollouts=[rollout_to_pb(r) for r in piece],
-                                  request_id=uuid.uuid4().hex, hold_s=self.hold_s)
-                    for piece in pieces]
+        requests = [self._request(piece) for piece in pieces]
         results: list[Optional[PutResult]] = [None] * len(requests)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         todo, attempt = list(range(len(requests))), 0

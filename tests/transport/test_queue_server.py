@@ -320,3 +320,15 @@ def test_client_retries_through_a_server_restart():
         assert batch.rollouts[0].group_id == "during"
     finally:
         server.stop(0)
+
+
+def test_oversized_requests_fail_fast_instead_of_retrying_forever():
+    with RolloutQueueServer(max_message_bytes=1 << 20) as server:
+        big = make_group("big", 1, completion=100_000)  # ~1.6 MB
+        client = RolloutQueueClient(server.address, max_message_bytes=4 << 20)
+        with pytest.raises(RolloutRejected, match="larger than max"):
+            client.put_group(big)  # refused by the server's limit: not retried
+        small_limit = RolloutQueueClient(server.address, max_message_bytes=1 << 20)
+        with pytest.raises(RolloutRejected, match="exceed max_message_bytes"):
+            small_limit.put_group(big)  # caught before sending
+        assert client.retry_counts == {}
