@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import random
 import time
 import uuid
 from typing import Iterable, Optional, Sequence
@@ -23,7 +22,8 @@ from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import rollout_pb2_grpc as pb_grpc
 from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb
 from pipelinerl_jax.transport.queue_server import DEFAULT_MAX_MESSAGE_BYTES, SERVICE
-from pipelinerl_jax.transport.security import TLSConfig, call_metadata, make_channel
+from pipelinerl_jax.transport.security import (  # noqa: F401 (RetryPolicy re-exported)
+    RetryPolicy, TLSConfig, call_metadata, make_channel)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -72,18 +72,6 @@ def _translate(e: grpc.RpcError) -> TransportError:
     if code in _PUT_RETRY:
         return QueueUnavailable(code, details)
     return TransportError(code, details)
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """Delay before retry k: d = min(max_s, initial_s * multiplier**k), drawn from [d/2, d]."""
-    initial_s: float = 0.02
-    max_s: float = 2.0
-    multiplier: float = 2.0
-
-    def delay(self, attempt: int) -> float:
-        d = min(self.max_s, self.initial_s * self.multiplier ** min(attempt, 30))
-        return random.uniform(d / 2, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +237,8 @@ class RolloutQueueClient:
         after a lost response return the same batch. Raises `QueueUnavailable` if the server
         stays unreachable past `timeout_s`.
         """
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         request = pb.GetBatchRequest(num_groups=num_groups, session_id=self.session_id,
                                      request_id=uuid.uuid4().hex)
         if learner_version is not None:

@@ -300,6 +300,7 @@ class QueueCore:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         deadline = self._clock() + max(0.0, timeout_s)
         with self._cv:
+            self.counters["get_requests"] += 1
             self._switch_session_locked(session_id)
             if learner_version is not None:
                 self.learner_version = int(learner_version)
@@ -322,6 +323,7 @@ class QueueCore:
                     return batch
                 remaining = deadline - self._clock()
                 if remaining <= 0 or self._closed or not is_active():
+                    self.counters["get_empty"] += 1
                     return None
                 self._cv.wait(min(remaining, 0.5))
                 if self._session != session_id:
@@ -427,7 +429,8 @@ class QueueCore:
             for key in ("put_requests", "put_rollouts", "put_duplicates", "put_refused_full",
                         "put_refused_no_version", "put_invalid", "batches_delivered",
                         "batches_redelivered", "batches_acked", "groups_delivered",
-                        "rollouts_delivered", "stale_kept_groups", "sessions"):
+                        "rollouts_delivered", "stale_kept_groups", "sessions", "get_requests",
+                        "get_empty"):
                 setattr(s, key, c[key])
             s.dropped_groups.update(self.dropped_groups)
             s.dropped_rollouts.update(self.dropped_rollouts)

@@ -176,6 +176,7 @@ def test_at_least_once_redelivery_to_a_new_session():
     s = core.stats()
     assert (s.batches_delivered, s.batches_redelivered, s.batches_acked, s.sessions) == (
         4, 2, 2, 2)
+    assert (s.get_requests, s.get_empty) == (8, 1)  # the fenced call is counted, not served
 
 
 def test_ack_before_redelivery_cancels_it():
