@@ -8,8 +8,6 @@ import pytest
 from pipelinerl_jax.transport import gen_proto, rollout_pb2
 from pipelinerl_jax.transport.queue_server import RolloutQueueServer
 
-pytest.importorskip("grpc_tools")
-
 
 def _descriptor_bytes(path: str) -> bytes:
     """The serialized FileDescriptorProto embedded in a generated *_pb2.py."""
@@ -24,6 +22,7 @@ def _method_paths(path: str) -> set:
 
 
 def test_generated_modules_are_current(tmp_path):
+    pytest.importorskip("grpc_tools")  # dev extra (grpcio-tools)
     fresh_pb2, fresh_grpc = gen_proto.generate(str(tmp_path))
     base = f"{gen_proto.REPO_ROOT}/pipelinerl_jax/transport"
     # The descriptor captures every message, field and service of the .proto; comparing it
