@@ -17,9 +17,12 @@ setup(
         "orbax-checkpoint>=0.11.0,<0.13",
         "ml-collections>=1.0.0,<2",
         "absl-py>=2.0,<3",
-        "grpcio>=1.70,<2",
-        "grpcio-health-checking>=1.70,<2",
-        "protobuf>=6.31,<8",
+        # The checked-in gencode (pipelinerl_jax/transport/rollout_pb2*.py, protoc 35.1 via
+        # grpcio-tools 1.85.1) requires protobuf >= 7.35.1 and grpcio >= 1.85.1 at run time.
+        "grpcio>=1.85.1,<2",
+        "grpcio-health-checking>=1.85.1,<2",
+        "protobuf>=7.35.1,<8",
+        "ml-dtypes>=0.5,<1",  # bfloat16 weights on the wire (also a jax dependency)
         "transformers>=4.50,<6",  # configs and tokenizers only; models are ours
         "safetensors>=0.4,<1",
         "numpy>=1.26,<3",
@@ -32,7 +35,8 @@ setup(
         "dev": [
             "pytest>=8,<10",
             "hypothesis>=6.100,<7",
-            "grpcio-tools>=1.70,<2",
+            "grpcio-tools>=1.85.1,<2",  # regenerates the proto modules (gen_proto)
+            "cryptography>=42,<50",  # self-signed TLS pairs in tests
             "torch==2.13.0",
         ],
         # GPU hosts that launch SGLang servers; never needed on CPU.

@@ -1,0 +1,316 @@
+"""Python client of the RolloutQueue: producers `put_group`, the learner `get_batch`/`ack`.
+
+Retries: transient codes (RESOURCE_EXHAUSTED = backpressure, UNAVAILABLE = server down or
+restarting, DEADLINE_EXCEEDED) are retried with capped exponential backoff and jitter; every
+put carries a fresh `request_id`, reused by its retries, so a retry of a put the server already
+applied is not stored twice. INVALID_ARGUMENT / FAILED_PRECONDITION raise `RolloutRejected`
+with the server's reason and the offending `field`. `retry_counts` counts retries by code.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+import uuid
+from typing import Iterable, Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pipelinerl_jax import types
+from pipelinerl_jax.transport import rollout_pb2 as pb
+from pipelinerl_jax.transport import rollout_pb2_grpc as pb_grpc
+from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb
+from pipelinerl_jax.transport.queue_server import DEFAULT_MAX_MESSAGE_BYTES, SERVICE
+from pipelinerl_jax.transport.security import (  # noqa: F401 (RetryPolicy re-exported)
+    RetryPolicy, TLSConfig, call_metadata, make_channel)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_PUT_RETRY = _TRANSIENT | {grpc.StatusCode.RESOURCE_EXHAUSTED}
+_REJECT = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+class TransportError(Exception):
+    """A call failed for good; `code` is the gRPC status code, `details` the server's text."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self.code, self.details = code, details
+        super().__init__(f"{code.name}: {details}")
+
+
+class RolloutRejected(TransportError):
+    """The server refused the rollouts as malformed; `field` names the culprit."""
+
+    @property
+    def field(self) -> str:
+        return self.details.split(": ", 1)[0] if ": " in self.details else ""
+
+
+class QueueUnavailable(TransportError):
+    """Transient failures outlasted the caller's timeout."""
+
+
+class SessionSupersededError(TransportError):
+    """Another consumer session took over the queue (a newer learner process)."""
+
+
+def _too_large(e: grpc.RpcError) -> bool:
+    """gRPC's own message-size refusal, also RESOURCE_EXHAUSTED, but never worth a retry."""
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (
+        e.details() or "")
+
+
+def _translate(e: grpc.RpcError) -> TransportError:
+    code, details = e.code(), e.details() or ""
+    if _too_large(e):
+        return RolloutRejected(code, f"request: {details}")
+    if code in _REJECT:
+        if "superseded" in details:
+            return SessionSupersededError(code, details)
+        return RolloutRejected(code, details)
+    if code in _PUT_RETRY:
+        return QueueUnavailable(code, details)
+    return TransportError(code, details)
+
+
+@dataclasses.dataclass(frozen=True)
+class PutResult:
+    accepted: int = 0
+    duplicate: bool = False
+    code: grpc.StatusCode = grpc.StatusCode.OK
+    message: str = ""
+    field: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+
+@dataclasses.dataclass
+class Batch:
+    """`num_groups` whole groups, contiguous in `rollouts`. Ack `batch_id` once committed."""
+    batch_id: str
+    rollouts: list
+    num_groups: int
+    learner_version: int   # the version the staleness policy was applied against
+    redelivered: bool
+    delivery_count: int
+
+    def groups(self) -> list[list[types.Rollout]]:
+        out: dict[str, list] = {}
+        for r in self.rollouts:
+            out.setdefault(r.group_id, []).append(r)
+        return list(out.values())
+
+
+def _to_dict(msg) -> dict:
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        out[f.name] = dict(value) if f.message_type and f.message_type.GetOptions().map_entry \
+            else value
+    return out
+
+
+class RolloutQueueClient:
+    """Thread-safe. One instance = one consumer session (`session_id`) for `get_batch`."""
+
+    def __init__(self, address: str, token: Optional[str] = None,
+                 tls: Optional[TLSConfig] = None, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 retry: RetryPolicy = RetryPolicy(), hold_s: float = 1.0,
+                 rpc_timeout_s: float = 30.0, session_id: Optional[str] = None):
+        self.address = address
+        self.max_message_bytes = max_message_bytes
+        self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls=tls)
+        self._stub = pb_grpc.RolloutQueueStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._md = call_metadata(token)
+        self.retry, self.hold_s, self.rpc_timeout_s = retry, hold_s, rpc_timeout_s
+        self.session_id = session_id or uuid.uuid4().hex
+        self.retry_counts: collections.Counter = collections.Counter()
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _retrying(self, call, retryable, timeout_s: Optional[float]):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as e:
+                now = time.monotonic()
+                if e.code() not in retryable or _too_large(e) or (
+                        deadline is not None and now >= deadline):
+                    raise _translate(e) from None
+                self.retry_counts[e.code().name] += 1
+                delay = self.retry.delay(attempt)
+                time.sleep(delay if deadline is None else min(delay, deadline - now))
+                attempt += 1
+
+    # ---------------------------------------------------------------- producers
+
+    def _request(self, rollouts: Sequence[types.Rollout]) -> pb.PutRequest:
+        request = pb.PutRequest(rollouts=[rollout_to_pb(r) for r in rollouts],
+                                request_id=uuid.uuid4().hex, hold_s=self.hold_s)
+        size = request.ByteSize()
+        if size > self.max_message_bytes:  # would be refused by gRPC on every retry
+            raise RolloutRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request: {size} bytes exceed max_message_bytes="
+                                  f"{self.max_message_bytes}; put fewer rollouts at once")
+        return request
+
+    def put(self, rollouts: Sequence[types.Rollout],
+            timeout_s: Optional[float] = None) -> PutResult:
+        """Stores `rollouts` atomically, retrying backpressure and outages.
+
+        `timeout_s=None` retries until stored (backpressure may last as long as the learner
+        is slow); otherwise `QueueUnavailable` after `timeout_s`.
+        """
+        request = self._request(rollouts)
+        resp = self._retrying(
+            lambda: self._stub.Put(request, timeout=self.hold_s + self.rpc_timeout_s,
+                                   metadata=self._md),
+            _PUT_RETRY, timeout_s)
+        return PutResult(resp.accepted, resp.duplicate)
+
+    def put_group(self, rollouts: Sequence[types.Rollout],
+                  timeout_s: Optional[float] = None) -> PutResult:
+        """`put` of exactly one whole group (checked here before anything is sent)."""
+        if not rollouts:
+            raise ValueError("put_group: no rollouts")
+        gid, size = rollouts[0].group_id, rollouts[0].group_size
+        if any(r.group_id != gid for r in rollouts):
+            raise ValueError(f"put_group: rollouts carry several group_ids, first is {gid!r}")
+        if len(rollouts) != size:
+            raise ValueError(f"put_group: group {gid!r} has {len(rollouts)} rollouts, "
+                             f"group_size is {size}")
+        return self.put(rollouts, timeout_s)
+
+    def put_stream(self, pieces: Iterable[Sequence[types.Rollout]],
+                   timeout_s: Optional[float] = None) -> list[PutResult]:
+        """Sends each piece as one item of a PutStream; returns one result per piece.
+
+        A rejected piece gets a result with its code/message/field; the others still land.
+        Backpressured or unsent pieces are re-sent (same request ids) until `timeout_s`.
+        """
+        requests = [self._request(piece) for piece in pieces]
+        results: list[Optional[PutResult]] = [None] * len(requests)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        todo, attempt = list(range(len(requests))), 0
+        while todo:
+            again = []
+            try:
+                responses = self._stub.PutStream(iter([requests[i] for i in todo]),
+                                                 metadata=self._md)
+                for k, resp in enumerate(responses):
+                    i = todo[k]
+                    code = _CODES.get(resp.code, grpc.StatusCode.UNKNOWN)
+                    if code in _PUT_RETRY:
+                        self.retry_counts[code.name] += 1
+                        again.append(i)
+                    else:
+                        results[i] = PutResult(resp.accepted, resp.duplicate, code,
+                                               resp.message, resp.field)
+            except grpc.RpcError as e:
+                if e.code() not in _PUT_RETRY:
+                    raise _translate(e) from None
+                self.retry_counts[e.code().name] += 1
+            again += [i for i in todo if results[i] is None and i not in again]
+            if again and deadline is not None and time.monotonic() >= deadline:
+                raise QueueUnavailable(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"{len(again)} pieces not stored within {timeout_s}s")
+            if again:
+                time.sleep(self.retry.delay(attempt))
+                attempt += 1
+            todo = again
+        return results
+
+    # ---------------------------------------------------------------- learner
+
+    def get_batch(self, num_groups: int, timeout_s: float,
+                  learner_version: Optional[int] = None) -> Optional[Batch]:
+        """A batch of exactly `num_groups` whole groups, or None if none within `timeout_s`.
+
+        `learner_version` (if given) is announced first, as `set_version`. Retries of this call
+        after a lost response return the same batch. Raises `QueueUnavailable` if the server
+        stays unreachable past `timeout_s`.
+        """
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        request = pb.GetBatchRequest(num_groups=num_groups, session_id=self.session_id,
+                                     request_id=uuid.uuid4().hex)
+        if learner_version is not None:
+            request.learner_version = learner_version
+        deadline = time.monotonic() + timeout_s
+
+        def call():  # the whole stream, or an exception: a broken stream is re-asked
+            request.timeout_s = max(0.0, deadline - time.monotonic())
+            return list(self._stub.GetBatch(
+                request, timeout=request.timeout_s + self.rpc_timeout_s, metadata=self._md))
+
+        pieces = self._retrying(call, _TRANSIENT, timeout_s)
+        if not pieces:
+            return None
+        head = pieces[0]
+        rollouts = [rollout_from_pb(m) for piece in pieces for m in piece.rollouts]
+        return Batch(head.batch_id, rollouts, head.num_groups, head.learner_version,
+                     head.redelivered, head.delivery_count)
+
+    def ack(self, batch_ids: Sequence[str], timeout_s: float = 60.0) -> int:
+        """Acknowledges committed batches (idempotent); returns how many were outstanding."""
+        request = pb.AckRequest(batch_ids=list(batch_ids))
+        resp = self._retrying(lambda: self._stub.Ack(request, timeout=self.rpc_timeout_s,
+                                                     metadata=self._md), _TRANSIENT, timeout_s)
+        return resp.acked
+
+    def set_version(self, version: int, timeout_s: float = 60.0) -> int:
+        """Announces the learner's version. Call BEFORE publishing weights `version`."""
+        request = pb.SetVersionRequest(version=version)
+        resp = self._retrying(lambda: self._stub.SetVersion(
+            request, timeout=self.rpc_timeout_s, metadata=self._md), _TRANSIENT, timeout_s)
+        return resp.version
+
+    def new_session(self) -> str:
+        """Starts a new consumer session: unacked batches will be redelivered to it."""
+        self.session_id = uuid.uuid4().hex
+        return self.session_id
+
+    # ---------------------------------------------------------------- ops
+
+    def stats(self, timeout_s: float = 60.0) -> dict:
+        resp = self._retrying(lambda: self._stub.GetStats(
+            pb.StatsRequest(), timeout=self.rpc_timeout_s, metadata=self._md),
+            _TRANSIENT, timeout_s)
+        return _to_dict(resp)
+
+    def wait_ready(self, deadline_s: float = 30.0) -> None:
+        """Blocks until the server's health check says SERVING; TimeoutError otherwise."""
+        end = time.monotonic() + deadline_s
+        attempt, last = 0, None
+        while time.monotonic() < end:
+            try:
+                resp = self._health.Check(health_pb2.HealthCheckRequest(service=SERVICE),
+                                          timeout=max(0.1, min(5.0, end - time.monotonic())),
+                                          metadata=self._md)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise _translate(e) from None
+                last = e.code().name
+            time.sleep(min(self.retry.delay(attempt), max(0.0, end - time.monotonic())))
+            attempt += 1
+        raise TimeoutError(f"RolloutQueue at {self.address} not ready after {deadline_s}s "
+                           f"(last: {last})")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

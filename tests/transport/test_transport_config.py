@@ -1,0 +1,81 @@
+"""The transport config section: defaults validate; each bad value names its key."""
+import pytest
+
+from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.transport.config import (
+    client_kwargs, transport_config, validate_transport_config)
+from pipelinerl_jax.transport.queue_server import RolloutQueueServer
+
+
+def test_defaults_are_valid_and_loopback():
+    cfg = transport_config()
+    validate_transport_config(cfg, "transport")
+    assert cfg.host == "127.0.0.1"
+    assert client_kwargs(cfg) == {"token": None, "tls": None, "max_message_bytes": 64 << 20}
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("max_lag", -1, "transport.max_lag"),
+    ("stale_policy", "evict", "transport.stale_policy"),
+    ("queue_port", 70000, "transport.queue_port"),
+    ("capacity_rollouts", 0, "transport.capacity_rollouts"),
+    ("capacity_bytes", -5, "transport.capacity_bytes"),
+    ("incomplete_group_timeout_s", 0.0, "transport.incomplete_group_timeout_s"),
+    ("max_group_size", 10_000, "transport.max_group_size"),
+    ("max_message_bytes", 1000, "transport.max_message_bytes"),
+    ("weight_chunk_bytes", 10, "transport.weight_chunk_bytes"),
+    ("tls_cert_file", "/no/such/cert.pem", "transport.tls_cert_file"),
+    ("auth_token_file", "/no/such/token", "transport.auth_token_file"),
+    ("host", "0.0.0.0", "transport.host: '0.0.0.0' is not a loopback"),
+    ("weight_checksum", "yes", "transport.weight_checksum"),
+])
+def test_bad_values_name_the_key(key, value, match):
+    cfg = transport_config().to_dict()  # a plain dict: ConfigDict would refuse wrong types
+    cfg[key] = value
+    with pytest.raises(ConfigError, match=match):
+        validate_transport_config(cfg, "transport")
+
+
+def test_unknown_key_and_conflicts(tmp_path):
+    cfg = transport_config()
+    cfg.capacity = 5
+    with pytest.raises(ConfigError, match="transport.capacity: unknown key"):
+        validate_transport_config(cfg, "transport")
+    token = tmp_path / "tok"
+    token.write_text("t0k\n")
+    cfg = transport_config()
+    cfg.auth_token, cfg.auth_token_file = "x", str(token)
+    with pytest.raises(ConfigError, match="transport.auth_token: set auth_token or"):
+        validate_transport_config(cfg, "transport")
+    cfg.auth_token = None
+    cfg.host = "0.0.0.0"  # remote binding is fine once a token is configured
+    validate_transport_config(cfg, "transport")
+    assert client_kwargs(cfg)["token"] == "t0k"
+
+
+def test_weight_sync_from_config():
+    from pipelinerl_jax.transport.config import publisher_kwargs, subscriber_kwargs
+    from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+    cfg = transport_config()
+    cfg.weights_port, cfg.weight_chunk_bytes = 0, 4096
+    validate_transport_config(cfg, "transport")
+    got = []
+    with WeightPublisher(f"{cfg.host}:{cfg.weights_port}", **publisher_kwargs(cfg)) as pub:
+        sub = WeightSubscriber(pub.address, lambda v, p: got.append(v), **subscriber_kwargs(cfg))
+        import numpy as np
+        pub.publish(0, {"w": np.zeros(5000, np.float32)})
+        assert sub.wait_for_version(0, 10)
+        sub.close()
+    assert got == [0]
+
+
+def test_server_from_config():
+    cfg = transport_config()
+    cfg.queue_port, cfg.max_lag, cfg.capacity_rollouts, cfg.max_group_size = 0, 2, 64, 16
+    validate_transport_config(cfg, "transport")
+    server = RolloutQueueServer.from_config(cfg)
+    try:
+        assert server.core.max_lag == 2 and server.core.capacity_rollouts == 64
+        assert server.address.startswith("127.0.0.1:") and server.port > 0
+    finally:
+        server.stop(0)

@@ -1,0 +1,263 @@
+"""Versioned weight sync over gRPC: complete, verified, monotonic, survives publisher death."""
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pipelinerl_jax.transport import rollout_pb2 as pb
+from pipelinerl_jax.transport import weights
+from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.security import TLSConfig
+from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+from transport_testlib import publisher_main, self_signed_pair
+
+CTX = mp.get_context("spawn")
+FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
+
+
+class Recorder:
+    """on_weights callback that checks each version is internally consistent."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.versions, self.errors, self.delay_s = [], [], delay_s
+
+    def __call__(self, version, params):
+        for name, a in params.items():
+            if a.size and not np.all(np.asarray(a, np.float32) == version):
+                self.errors.append(f"v{version}: {name} holds other values")
+        self.versions.append(version)
+        time.sleep(self.delay_s)
+
+
+def _eventually(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _params(version: int, n: int = 1000) -> dict:
+    # Tensor sizes not multiples of the chunk or the alignment, so chunks span tensors.
+    return {"embed": np.full((n, 3), version, np.float32),
+            "layers/0/attn/q_proj/kernel": np.full((7, 13), version, ml_dtypes.bfloat16),
+            "scalar": np.float32(version) * np.ones((), np.float32),
+            "empty": np.zeros((0, 4), np.float32)}
+
+
+def test_round_trip_keeps_names_dtypes_shapes_and_values():
+    got = {}
+    rng = np.random.default_rng(0)
+    params = {"a/kernel": rng.standard_normal((33, 17)).astype(np.float32),
+              "b/scale": rng.standard_normal(5).astype(ml_dtypes.bfloat16),
+              "c": np.array(3.5, np.float32), "d": np.zeros((0,), np.float32),
+              "e/ids": np.arange(1001, dtype=np.int32)}
+    with WeightPublisher(chunk_bytes=1024) as pub:
+        sub = WeightSubscriber(pub.address, lambda v, p: got.update(v=v, p=p), retry=FAST)
+        pub.publish(7, params)
+        assert sub.wait_for_version(7, 10)
+        sub.close()
+    assert got["v"] == 7 and set(got["p"]) == set(params)
+    for k, a in params.items():
+        b = got["p"][k]
+        assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b), k
+
+
+def test_rapid_publishing_never_applies_partial_or_mixed_versions():
+    fast, slow = Recorder(), Recorder(delay_s=0.02)
+    with WeightPublisher(chunk_bytes=4096) as pub:
+        subs = [WeightSubscriber(pub.address, rec, retry=FAST) for rec in (fast, slow)]
+        for v in range(1, 41):  # ~250 KB each, 60+ chunks: publishes overlap the streams
+            pub.publish(v, _params(v, n=20000))
+        for s in subs:
+            assert s.wait_for_version(40, 30)
+            s.close()
+        with pytest.raises(ValueError, match="not newer"):
+            pub.publish(40, _params(40))
+    for rec in (fast, slow):
+        assert not rec.errors, rec.errors[:3]
+        assert rec.versions == sorted(set(rec.versions)) and rec.versions[-1] == 40
+    assert len(slow.versions) < 40  # it fell behind and skipped to the newest
+
+
+def test_publisher_killed_mid_stream_leaves_subscribers_on_last_complete_version(monkeypatch):
+    # Slow the subscriber down (1 ms per 64 KiB chunk) so the kill lands mid-version.
+    original_add = weights._Assembler.add
+    monkeypatch.setattr(weights._Assembler, "add",
+                        lambda self, chunk: (time.sleep(0.001), original_add(self, chunk)))
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=publisher_main, args=(child, 64 << 10), daemon=True)
+    proc.start()
+    port = parent.recv()
+    rec = Recorder()
+    sub = WeightSubscriber(f"127.0.0.1:{port}", rec, retry=FAST)
+    try:
+        parent.send(("publish", 1, 4096))
+        parent.recv()
+        assert sub.wait_for_version(1, 30)
+        parent.send(("publish", 2, 16 << 20))  # 64 MiB = 1024 chunks
+        deadline = time.monotonic() + 60
+        while not (sub.receiving[0] == 2 and sub.receiving[1] > 0):
+            assert time.monotonic() < deadline, "version 2 never started streaming"
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        assert _eventually(lambda: sub.versions_discarded >= 1)  # the stream broke ...
+        assert sub.latest_version == 1 and rec.versions == [1]  # ... and nothing was applied
+        # The publisher comes back on the same port (a restarted learner): the subscriber
+        # reconnects and applies its next version.
+        parent, child = CTX.Pipe()
+        proc = CTX.Process(target=publisher_main,
+                           args=(child, 64 << 10, f"127.0.0.1:{port}"), daemon=True)
+        proc.start()
+        assert parent.recv() == port
+        parent.send(("publish", 3, 4096))
+        parent.recv()
+        assert sub.wait_for_version(3, 30), sub.last_error
+        assert rec.versions == [1, 3] and not rec.errors and sub.reconnects >= 1
+    finally:
+        sub.close()
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_a_new_publisher_instance_may_restart_from_an_older_version():
+    rec = Recorder()
+    pub = WeightPublisher()
+    address = pub.address
+    sub = WeightSubscriber(address, rec, retry=FAST)
+    pub.publish(5, _params(5))
+    assert sub.wait_for_version(5, 10)
+    pub.stop(0)
+    pub = WeightPublisher(address)  # learner resumed from the version-3 checkpoint
+    try:
+        pub.publish(3, _params(3))
+        assert _eventually(lambda: sub.latest_version == 3)  # (set after on_weights returns)
+        assert rec.versions == [5, 3]
+    finally:
+        sub.close()
+        pub.stop(0)
+
+
+def test_token_and_tls_on_the_weight_service(tmp_path):
+    cert, key = self_signed_pair(str(tmp_path))
+    with WeightPublisher(token="tok", tls=TLSConfig(cert_file=cert, key_file=key)) as pub:
+        pub.publish(1, _params(1))
+        client_tls = TLSConfig(ca_file=cert, server_name="localhost")
+        bad, good = Recorder(), Recorder()
+        wrong = WeightSubscriber(pub.address, bad, token="nope", tls=client_tls, retry=FAST)
+        right = WeightSubscriber(pub.address, good, token="tok", tls=client_tls, retry=FAST)
+        assert right.wait_for_version(1, 10)
+        assert _eventually(lambda: "UNAUTHENTICATED" in (wrong.last_error or ""))
+        assert wrong.latest_version == -1 and bad.versions == []
+        wrong.close()
+        right.close()
+
+
+def _header(total=10, chunks=2):
+    h = pb.WeightHeader(version=4, publisher_id="p", total_bytes=total, num_chunks=chunks,
+                        has_crc32=True)
+    h.tensors.add(name="w", dtype="uint8", shape=[total], offset=0, nbytes=total)
+    return h
+
+
+def _chunk(index, offset, data, crc=None, version=4):
+    import zlib
+    return pb.WeightChunk(version=version, index=index, offset=offset, data=data,
+                          crc32=zlib.crc32(data) if crc is None else crc)
+
+
+@pytest.mark.parametrize("bad", ["crc", "order", "version", "overflow", "short"])
+def test_corrupt_or_incomplete_versions_are_refused(bad):
+    asm = weights._Assembler(_header(), 1 << 20, weights._BufferPool(),
+                             futures.ThreadPoolExecutor(1))
+    with pytest.raises(weights._CorruptVersion):
+        if bad == "crc":
+            asm.add(_chunk(0, 0, b"01234", crc=123))
+            asm.add(_chunk(1, 5, b"56789"))
+            asm.finish(pb.WeightCommit(version=4, total_bytes=10, num_chunks=2))
+        elif bad == "order":
+            asm.add(_chunk(1, 5, b"56789"))
+        elif bad == "version":
+            asm.add(_chunk(0, 0, b"01234", version=5))
+        elif bad == "overflow":
+            asm.add(_chunk(0, 0, b"0123456789ab"))
+        else:
+            asm.add(_chunk(0, 0, b"01234"))
+            asm.finish(pb.WeightCommit(version=4, total_bytes=10, num_chunks=2))
+
+
+def test_buffers_are_recycled_only_when_no_array_is_alive():
+    pool = weights._BufferPool()
+    a = pool.get(100)
+    view = a[10:20]
+    del a
+    b = pool.get(100)
+    assert b.base is None and view.base is not b  # a view was alive: fresh buffer
+    del view
+    c = pool.get(100)
+    assert pool.reused == 1 and c.size == 100
+
+
+def test_callback_errors_do_not_kill_the_subscription():
+    calls = []
+
+    def flaky(version, params):
+        calls.append(version)
+        if version == 1:
+            raise RuntimeError("engine busy")
+
+    with WeightPublisher() as pub:
+        sub = WeightSubscriber(pub.address, flaky, retry=FAST)
+        pub.publish(1, _params(1))
+        assert _eventually(lambda: "engine busy" in (sub.last_error or ""))
+        assert calls == [1] and sub.latest_version == -1 and "engine busy" in sub.last_error
+        pub.publish(2, _params(2))
+        assert sub.wait_for_version(2, 10)
+        sub.close()
+    assert calls == [1, 2]
+
+
+def test_many_subscribers_share_one_serialization():
+    recs = [Recorder() for _ in range(4)]
+    with WeightPublisher(chunk_bytes=2048) as pub:
+        subs = [WeightSubscriber(pub.address, r, retry=FAST) for r in recs]
+        pub.publish(1, _params(1, n=3000))
+        threads = [threading.Thread(target=s.wait_for_version, args=(1, 10)) for s in subs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in subs:
+            s.close()
+    assert all(r.versions == [1] and not r.errors for r in recs)
+
+
+def test_hand_framed_chunks_parse_like_protobuf():
+    params = {"a": np.arange(3000, dtype=np.float32), "b": np.ones(7, ml_dtypes.bfloat16)}
+    version = weights._Version(9, "pub", params, 4096, futures.ThreadPoolExecutor(1))
+    frames = list(version.frames())
+    assert len(frames) == version.num_chunks + 2
+    for raw in frames[1:-1]:
+        kind, view = weights._parse_message(raw)
+        ref = pb.WeightMessage.FromString(raw)
+        assert kind == ref.WhichOneof("kind") == "chunk"
+        assert (view.version, view.index, view.offset, view.crc32, bytes(view.data)) == (
+            ref.chunk.version, ref.chunk.index, ref.chunk.offset, ref.chunk.crc32,
+            ref.chunk.data)
+    # Another valid encoding (fields reordered by a different publisher) still parses.
+    other = pb.WeightMessage(chunk=pb.WeightChunk(data=b"xyz", crc32=5, offset=2, index=1,
+                                                  version=3)).SerializeToString()
+    kind, view = weights._parse_message(other)
+    assert kind == "chunk" and (view.version, view.index, bytes(view.data)) == (3, 1, b"xyz")
+    kind, header = weights._parse_message(frames[0])
+    assert kind == "header" and header.version == 9 and len(header.tensors) == 2
+    with pytest.raises(Exception):
+        weights._parse_message(b"\x12\xff\xff")
