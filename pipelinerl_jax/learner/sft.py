@@ -38,7 +38,7 @@ def demo_rollouts(task, tok, seed: int):
 
 
 def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
-    """Trains `cfg.sft.steps` steps and saves `workdir/model`. Returns a summary dict.
+    """Trains `cfg.warm_start.steps` steps and saves `workdir/model`. Returns a summary dict.
 
     `evaluate(model) -> dict` (optional) is called at the end (e.g. held-out greedy accuracy).
     """
@@ -51,14 +51,13 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     mesh = sharding_lib.make_mesh(tuple(cfg.mesh.shape))
     model = build_model(cfg.model, tok.vocab_size, mesh, seed=cfg.seed)
     graphdef = nnx.graphdef(model)
-    s = cfg.sft
+    s = cfg.warm_start
     optimizer, schedule = ts.make_optimizer(s.optimizer)
     state = ts.init_state(model, optimizer)
     step_fn = ts.make_train_step(graphdef, optimizer, get_loss("reinforce"), mesh=mesh,
                                  state_sharding=ts.state_shardings(state),
                                  micro_batches=s.micro_batches)
-    buckets = batching.length_buckets(cfg.model.max_seq_len if cfg.model.init == "scratch"
-                                      else model.cfg.max_position_embeddings)
+    buckets = batching.length_buckets(cfg.engine.max_seq_len)
     demos = demo_rollouts(task, tok, cfg.seed)
     writer = MetricsWriter(workdir, "sft_metrics.jsonl")
     bar = None

@@ -1,0 +1,48 @@
+"""The main job: warm start, then async pipeline RL on long-tailed string reversal (CPU).
+
+    python experiments/train.py --config=configs/default.py --workdir=runs/default
+    python experiments/train.py --config=configs/default.py:quick --workdir=/tmp/q   # smoke
+
+A ~0.4M-parameter 2-layer Llama-style model is trained from scratch: a short supervised warm
+start on demonstrations, then GRPO-style RL with one sampler process and one learner process,
+each pinned to one of the two cores.
+"""
+from pipelinerl_jax.experiment import base_config
+
+
+def get_config(arg: str = ""):
+    c = base_config()
+    c.mode = "async"
+    c.max_lag = 4
+    c.task.name = "reverse"
+    c.task.median_length = 12
+    c.task.p99_length = 69
+    c.task.max_length = 96
+    c.sampling.max_new_tokens = 97  # longest answer + EOS
+    c.model.max_seq_len = 256
+    c.engine.max_seq_len = 256
+    c.engine.max_slots = 64
+    c.rollout.group_size = 8
+    c.rollout.advantage.estimator = "grpo"
+    c.loss.name = "tis"
+    c.learner.batch_groups = 8
+    c.learner.total_steps = 150
+    c.learner.optimizer.learning_rate = 5e-4
+    c.learner.eval_every = 25
+    c.learner.eval_size = 128
+    c.learner.checkpoint_every = 25
+    c.warm_start.steps = 1500
+    c.resources.learner_cores = "0"
+    c.resources.sampler_cores = "1"
+    if arg == "quick":  # a minute-scale smoke run of the same pipeline
+        c.warm_start.steps = 30
+        c.learner.total_steps = 6
+        c.learner.eval_every = 3
+        c.learner.eval_size = 16
+        c.learner.checkpoint_every = 3
+        c.learner.batch_groups = 2
+        c.rollout.group_size = 4
+        c.engine.max_slots = 16
+    elif arg:
+        raise ValueError(f"unknown config argument {arg!r} (valid: '', 'quick')")
+    return c

@@ -1,0 +1,34 @@
+"""Supervised warm start on a task's demonstrations; writes `WORKDIR/model` (HF format).
+
+    python experiments/sft.py --config=configs/default.py --workdir=runs/sft
+
+Pass the result to RL with `--config.warm_start.checkpoint=runs/sft/model`.
+"""
+import json
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from pipelinerl_jax.config import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=True)
+
+
+def main(argv):
+    del argv
+    from pipelinerl_jax import experiment
+    from pipelinerl_jax.launch import _sft_evaluator
+    from pipelinerl_jax.learner.sft import run_sft
+    cfg = _CONFIG.value
+    try:
+        experiment.validate(cfg)
+    except ConfigError as e:
+        raise app.UsageError(f"invalid config: {e}") from None
+    summary = run_sft(cfg, _WORKDIR.value, evaluate=_sft_evaluator(cfg))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

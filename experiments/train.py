@@ -1,0 +1,30 @@
+"""Async (or sync) pipeline RL: `python experiments/train.py --config=configs/default.py --workdir=DIR`.
+
+Overrides: `--config.loss.name=tis --config.loss.cap=2.0 --config.mode=sync ...`.
+Re-running with the same `--workdir` resumes from the last checkpoint.
+"""
+import json
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from pipelinerl_jax.config import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (metrics, checkpoints, plot).",
+                               required=True)
+
+
+def main(argv):
+    del argv
+    from pipelinerl_jax.launch import launch
+    try:
+        summary = launch(_CONFIG.value, _WORKDIR.value)
+    except ConfigError as e:
+        raise app.UsageError(f"invalid config: {e}") from None
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,196 @@
+"""The experiment config: every section in one `ConfigDict`, validated in one place.
+
+`base_config()` assembles the sections each package owns (model, tokenizer, task, engine,
+loss, transport, ...) plus the pipeline's own (mode, max_lag, learner, rollout, resources,
+lag_injection); `configs/*.py` start from it. `validate(config)` runs before any process
+starts and raises one `ConfigError` naming the offending key. Config files are Python
+(ml_collections convention) and therefore trusted code: never load one you did not write.
+"""
+from __future__ import annotations
+
+import math
+
+import ml_collections
+from ml_collections import config_dict
+
+from pipelinerl_jax.config import ConfigError, check_keys
+
+MODES = ("async", "sync")
+INJECTION_KINDS = ("fixed", "uniform", "geometric")
+
+
+def optimizer_config(**kw) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict(dict(
+        learning_rate=1e-4, warmup_steps=0, total_steps=1000, decay="constant",
+        final_lr_ratio=0.1, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, max_grad_norm=1.0))
+    c.update(kw)
+    return c
+
+
+def base_config() -> ml_collections.ConfigDict:
+    from pipelinerl_jax.losses import advantage_config, loss_config
+    from pipelinerl_jax.models.factory import model_config
+    from pipelinerl_jax.rollout.jax_engine import engine_config
+    from pipelinerl_jax.tasks import task_config
+    from pipelinerl_jax.tokenizers import tokenizer_config
+    from pipelinerl_jax.transport import transport_config
+
+    c = ml_collections.ConfigDict()
+    c.mode = "async"  # 'async' pipeline | 'sync' lock-step baseline
+    c.seed = 0
+    c.max_lag = 4  # tokens older than this many versions are never trained on (async)
+    c.model = model_config()
+    c.tokenizer = tokenizer_config()
+    c.task = task_config()
+    c.engine = engine_config()
+    c.sampling = ml_collections.ConfigDict(dict(
+        max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=0))
+    c.rollout = ml_collections.ConfigDict(dict(
+        num_workers=1, group_size=8, advantage=advantage_config(), stats_every_s=1.0))
+    c.loss = loss_config()
+    c.learner = ml_collections.ConfigDict(dict(
+        batch_groups=8,  # prompts (groups) per learner step; rows = batch_groups * group_size
+        minibatches=1,  # optimizer steps per batch
+        micro_batches=1,  # gradient accumulation within a minibatch
+        total_steps=100,
+        optimizer=optimizer_config(),
+        recompute_proximal="auto",  # 'auto' (losses that use it) | True | False
+        eval_every=10, eval_size=128,
+        checkpoint_every=10, keep_checkpoints=2,
+        max_consecutive_skips=20,
+        get_timeout_s=2.0,
+    ))
+    c.warm_start = ml_collections.ConfigDict(dict(
+        steps=0,  # supervised steps on the task's demonstrations before RL (0 = none)
+        batch_size=64, micro_batches=1, log_every=20,
+        optimizer=optimizer_config(learning_rate=3e-3, warmup_steps=50, decay="cosine"),
+        checkpoint=config_dict.placeholder(str),  # reuse an existing warm-start checkpoint
+    ))
+    c.mesh = ml_collections.ConfigDict(dict(shape=(1, 1, 1)))
+    c.transport = transport_config()
+    c.transport.queue_port = 0  # 0 = the launcher picks free ports
+    c.transport.weights_port = 0
+    c.lag_injection = ml_collections.ConfigDict(dict(
+        enabled=False, kind="fixed", k=0, max_k=8, seed=0))
+    c.resources = ml_collections.ConfigDict(dict(
+        learner_cores="",  # e.g. "0" or "0-3"; "" = no pinning (all cores)
+        sampler_cores="",  # cores for the rollout workers (shared among them)
+    ))
+    c.launch = ml_collections.ConfigDict(dict(
+        max_worker_restarts=3, startup_timeout_s=300.0, shutdown_timeout_s=20.0))
+    return c
+
+
+def parse_cores(spec: str, key: str) -> list:
+    """'0,2-3' -> [0, 2, 3]; '' -> []."""
+    cores = []
+    try:
+        for part in filter(None, str(spec).replace(" ", "").split(",")):
+            lo, _, hi = part.partition("-")
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ConfigError(key, f"must look like '0' or '0-3,5', got {spec!r}") from None
+    return cores
+
+
+def _int(cfg, key, lo=0):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    if isinstance(node, bool) or not isinstance(node, int) or node < lo:
+        raise ConfigError(key, f"must be an integer >= {lo}, got {node!r}")
+    return node
+
+
+def validate(cfg) -> None:
+    """Checks the whole experiment config; raises `ConfigError` naming the first bad key."""
+    from pipelinerl_jax.losses import validate_advantage_config, validate_loss_config
+    from pipelinerl_jax.models.factory import validate_model_config
+    from pipelinerl_jax.rollout.jax_engine import validate_engine_config
+    from pipelinerl_jax.tasks import get_task
+    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.transport import validate_transport_config
+
+    check_keys(cfg, "", base_config().keys())
+    if cfg.mode not in MODES:
+        raise ConfigError("mode", f"must be one of {MODES}, got {cfg.mode!r}")
+    _int(cfg, "seed")
+    _int(cfg, "max_lag")
+    validate_model_config(cfg.model, "model")
+    tok = get_tokenizer(cfg.tokenizer)
+    task = get_task(cfg.task)
+    validate_engine_config(cfg.engine, "engine")
+    validate_loss_config(cfg.loss)
+    validate_advantage_config(cfg.rollout.advantage, cfg.sampling.max_new_tokens)
+    validate_transport_config(cfg.transport, "transport")
+
+    s = cfg.sampling
+    _int(cfg, "sampling.max_new_tokens", 1)
+    if not isinstance(s.temperature, (int, float)) or s.temperature < 0:
+        raise ConfigError("sampling.temperature", f"must be >= 0, got {s.temperature!r}")
+    if not 0 < s.top_p <= 1:
+        raise ConfigError("sampling.top_p", f"must be in (0, 1], got {s.top_p!r}")
+    _int(cfg, "sampling.top_k")
+    prompt_tokens = task.max_prompt_chars + 1 if cfg.tokenizer.kind == "char" else None
+    if prompt_tokens and prompt_tokens + s.max_new_tokens > cfg.engine.max_seq_len:
+        raise ConfigError("engine.max_seq_len", f"{cfg.engine.max_seq_len} cannot hold the "
+                          f"task's longest prompt ({prompt_tokens} tokens) plus "
+                          f"sampling.max_new_tokens={s.max_new_tokens}")
+    if cfg.model.init == "scratch" and cfg.engine.max_seq_len > cfg.model.max_seq_len:
+        raise ConfigError("engine.max_seq_len", f"{cfg.engine.max_seq_len} exceeds "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
+
+    r, L = cfg.rollout, cfg.learner
+    _int(cfg, "rollout.num_workers", 1)
+    _int(cfg, "rollout.group_size", 1)
+    for key in ("batch_groups", "minibatches", "micro_batches", "total_steps",
+                "eval_size", "checkpoint_every", "keep_checkpoints", "max_consecutive_skips"):
+        _int(cfg, f"learner.{key}", 1)
+    _int(cfg, "learner.eval_every")
+    if L.recompute_proximal not in ("auto", True, False):
+        raise ConfigError("learner.recompute_proximal", "must be 'auto', True or False")
+    shape = tuple(cfg.mesh.shape)
+    if len(shape) != 3 or any(not isinstance(x, int) or x < 1 for x in shape):
+        raise ConfigError("mesh.shape", f"must be three positive sizes (data, fsdp, tensor), "
+                                        f"got {shape}")
+    rows = L.batch_groups * r.group_size
+    split = L.minibatches * L.micro_batches * shape[0] * shape[1]
+    if rows % split:
+        raise ConfigError("learner.batch_groups", f"a batch of {L.batch_groups} groups x "
+                          f"{r.group_size} samples = {rows} rows is not divisible by "
+                          f"minibatches x micro_batches x mesh data*fsdp = {split}")
+    for key in ("learning_rate", "max_grad_norm"):
+        v = L.optimizer[key]
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"learner.optimizer.{key}", f"must be a positive number, got {v!r}")
+
+    inj = cfg.lag_injection
+    if inj.enabled:
+        if inj.kind not in INJECTION_KINDS:
+            raise ConfigError("lag_injection.kind", f"must be one of {INJECTION_KINDS}")
+        _int(cfg, "lag_injection.k")
+        _int(cfg, "lag_injection.max_k")
+        if inj.max_k < inj.k:
+            raise ConfigError("lag_injection.max_k", f"must be >= lag_injection.k={inj.k}")
+    if cfg.warm_start.steps:
+        _int(cfg, "warm_start.steps")
+        _int(cfg, "warm_start.batch_size", 1)
+    parse_cores(cfg.resources.learner_cores, "resources.learner_cores")
+    parse_cores(cfg.resources.sampler_cores, "resources.sampler_cores")
+    if tok.vocab_size <= 0:
+        raise ConfigError("tokenizer", "tokenizer has an empty vocabulary")
+
+
+def resolve(cfg) -> ml_collections.ConfigDict:
+    """Derived values filled in once, after validation (copied into the transport section)."""
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    from pipelinerl_jax.tokenizers import get_tokenizer
+    tok = get_tokenizer(cfg.tokenizer)
+    cfg.transport.vocab_size = tok.vocab_size
+    if cfg.lag_injection.enabled:
+        cfg.transport.max_lag = None  # the lag is prescribed; nothing is stale by accident
+    else:
+        cfg.transport.max_lag = 0 if cfg.mode == "sync" else cfg.max_lag
+    cfg.transport.max_completion_tokens = cfg.sampling.max_new_tokens
+    cfg.transport.max_prompt_tokens = cfg.engine.max_seq_len
+    return cfg

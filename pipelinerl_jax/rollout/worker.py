@@ -1,0 +1,241 @@
+"""Rollout worker: prompts → engine → scored groups with advantages → RolloutQueue.
+
+One worker drives one `InferenceEngine` (it never knows which). It keeps the engine's slots
+full with requests of `group_size` samples per prompt, scores each finished group with the
+task's verifier, computes group advantages, and puts the whole group on the queue. A weight
+subscriber installs every new policy version in the engine while it samples (in-flight
+updates).
+
+Admission control (PipelineRL style) — generate nothing the learner would have to drop.
+With B groups per learner step, W workers, `done` groups consumed or dropped so far (queue
+stats) and `out` groups this worker has started but not yet seen consumed, a new group lands
+(FIFO) in learner batch about `k = done // B + (W·out) // B`; it may start only while
+`k - engine_version <= max_lag`. With `max_lag = 0` this *is* the synchronous baseline: a
+worker samples exactly its share of batch v with weights v, then waits for v+1. Groups the
+advantage estimator filters out (zero variance) free their place for a replacement. The
+queue's staleness policy remains the hard guarantee when timing is adversarial.
+
+Lag injection (ablations at exact staleness): in lock-step, batch L is sampled with the
+weights of version `L - k_L` (k_L fixed or drawn from a seeded distribution), kept from a
+ring of recent versions; every token then has lag exactly k_L, independent of timing.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from pipelinerl_jax.metrics import append_jsonl
+from pipelinerl_jax.types import Completion, GenerationRequest, Rollout, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def injected_lag(cfg_inj, step: int) -> int:
+    """The lag prescribed for learner step `step` (deterministic in (seed, step))."""
+    if cfg_inj.kind == "fixed":
+        k = cfg_inj.k
+    else:
+        rng = np.random.default_rng([cfg_inj.seed, step])
+        if cfg_inj.kind == "uniform":
+            k = int(rng.integers(0, cfg_inj.max_k + 1))
+        else:  # geometric with mean k, truncated at max_k
+            k = min(int(rng.geometric(1.0 / (cfg_inj.k + 1.0))) - 1, cfg_inj.max_k)
+    return int(min(k, step))
+
+
+class RolloutWorker:
+    def __init__(self, cfg, engine, task, tokenizer, client, *, worker_index: int = 0,
+                 workdir: Optional[str] = None):
+        from pipelinerl_jax.losses import advantages_from_config
+        self.cfg, self.engine, self.task, self.tok, self.client = cfg, engine, task, tokenizer, client
+        self.index = worker_index
+        self.num_workers = cfg.rollout.num_workers
+        self.group_size = cfg.rollout.group_size
+        self.batch_groups = cfg.learner.batch_groups
+        self.max_lag = 0 if cfg.mode == "sync" or cfg.lag_injection.enabled else cfg.max_lag
+        self._advantages = lambda rewards, lengths, truncated: advantages_from_config(
+            cfg.rollout.advantage, rewards, lengths=lengths,
+            max_length=cfg.sampling.max_new_tokens, truncated=truncated)
+        self.workdir = workdir
+        self.problems = task.problems(seed=cfg.seed * 1009 + worker_index)
+        s = cfg.sampling
+        self.sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                             top_p=s.top_p, top_k=s.top_k, stop_token_ids=(tokenizer.eos_id,),
+                             n=self.group_size)
+        self._inflight: Dict[str, tuple] = {}  # request id -> (problem, submit time)
+        self._samples: Dict[str, List[Completion]] = collections.defaultdict(list)
+        self._seq = 0
+        self._stop = threading.Event()
+        self._stats = None
+        self._stats_time = 0.0
+        self._engine_stats: dict = {}
+        self._engine_stats_time = time.time()
+        self.counts = collections.Counter()
+        self._done_base: Optional[int] = None
+        # lag injection: recent versions' weights, and which learner step we are feeding
+        self._snapshots: Dict[int, dict] = {}
+        self._injected_for, self._injected_started = -1, 0
+
+    # ------------------------------------------------------------------ admission
+
+    def _queue_stats(self, max_age_s: float = 0.1):
+        if self._stats is None or time.time() - self._stats_time > max_age_s:
+            self._stats = self.client.stats()
+            self._stats_time = time.time()
+        return self._stats
+
+    def _done_groups(self, st) -> int:
+        return int(st["groups_delivered"]) + int(sum(st["dropped_groups"].values()))
+
+    def can_admit(self) -> bool:
+        if self.engine.version < 0 and not self.cfg.lag_injection.enabled:
+            return False  # the learner's weights have not arrived yet
+        st = self._queue_stats()
+        done = self._done_groups(st)
+        if self._done_base is None:  # a (re)started worker owns nothing consumed before it
+            self._done_base = done
+        if self.cfg.lag_injection.enabled:
+            return self._can_admit_injected(done)
+        # Groups of ours started but not yet consumed, workers sharing consumption evenly.
+        outstanding = self.counts["started"] - (done - self._done_base) // self.num_workers
+        k = done // self.batch_groups + (self.num_workers * outstanding) // self.batch_groups
+        return k - self.engine.version <= self.max_lag
+
+    def _can_admit_injected(self, done: int) -> bool:
+        """Lock-step: this worker's share of batch L, sampled with version L - k_L."""
+        step = done // self.batch_groups  # the learner step being fed
+        if self._injected_for != step:
+            if self._inflight:
+                return False  # the previous step's groups finish first
+            want = step - injected_lag(self.cfg.lag_injection, step)
+            params = self._snapshots.get(want)
+            if params is None:
+                return False  # that version has not arrived yet
+            if self.engine.version != want:
+                self.engine.update_weights(params, want, allow_older=True)
+            self._injected_for, self._injected_started = step, 0
+        share = self.batch_groups // self.num_workers + (
+            1 if self.index < self.batch_groups % self.num_workers else 0)
+        return self._injected_started < share
+
+    # ------------------------------------------------------------------ weights
+
+    def on_weights(self, version: int, params) -> None:
+        """Weight-subscriber callback (subscriber thread)."""
+        if self.cfg.lag_injection.enabled:
+            keep = self.cfg.lag_injection.max_k + 1
+            self._snapshots[version] = {k: np.array(v) for k, v in params.items()}
+            for old in [v for v in self._snapshots if v <= version - keep]:
+                del self._snapshots[old]
+            return
+        if version > self.engine.version:
+            self.engine.update_weights(params, version, wait=False)
+
+    # ------------------------------------------------------------------ main loop
+
+    def submit_one(self) -> None:
+        problem = next(self.problems)
+        rid = f"w{self.index}-{self._seq}"
+        self._seq += 1
+        seed = (self.cfg.seed * 1_000_003 + self.index) * 10_000_019 + self._seq
+        req = GenerationRequest(rid, np.asarray(self.tok.encode_prompt(problem.prompt), np.int32),
+                                SamplingParams(seed=seed % (2**31), **self.sampling))
+        self.engine.submit(req)
+        self._inflight[rid] = (problem, time.time())
+        self.counts["started"] += 1
+        if self.cfg.lag_injection.enabled:
+            self._injected_started += 1
+
+    def finish_group(self, rid: str, samples: List[Completion]) -> None:
+        problem, _ = self._inflight.pop(rid)
+        samples.sort(key=lambda c: c.sample_index)
+        results = [self.task.reward(problem, self.tok.decode(c.token_ids, stop_at_eos=True),
+                                    c.finish_reason) for c in samples]
+        rewards = np.asarray([r.reward for r in results], np.float64)
+        lengths = np.asarray([len(c.token_ids) for c in samples])
+        truncated = np.asarray([c.finish_reason != "stop" for c in samples])
+        adv = self._advantages(rewards, lengths, truncated)
+        self.counts["groups_scored"] += 1
+        self._log_samples(samples, results)
+        if not adv.keep:
+            self.counts["started"] -= 1  # a replacement takes its place in the batch
+            self.counts["groups_filtered"] += 1
+            return
+        engine_stats = self._engine_stats
+        rollouts = []
+        for c, r, a, keep in zip(samples, results, adv.advantages, adv.sample_mask):
+            rollouts.append(Rollout(
+                prompt_ids=c.prompt_ids, completion_ids=c.token_ids,
+                logp_behaviour=c.logp_behaviour, version=c.version, kv_version=c.kv_version,
+                reward=float(r.reward), advantage=float(a) if keep else 0.0, group_id=rid,
+                group_size=len(samples), task_id=self.task.name,
+                finish_reason=c.finish_reason, start_version=c.start_version,
+                engine_id=c.engine_id, submit_time=c.submit_time, start_time=c.start_time,
+                finish_time=c.finish_time,
+                metrics={"correct": float(r.correct),
+                         "engine_occupancy": float(engine_stats.get("slot_occupancy", 0.0)),
+                         "engine_tokens_per_s": float(engine_stats.get("tokens_per_s", 0.0))}))
+        try:
+            self.client.put_group(rollouts)
+            self.counts["groups_put"] += 1
+        except Exception as e:  # noqa: BLE001 - a rejected group is counted, the worker goes on
+            from pipelinerl_jax.transport import RolloutRejected
+            if not isinstance(e, RolloutRejected):
+                raise
+            log.warning("group %s rejected by the queue: %s", rid, e)
+            self.counts["groups_rejected"] += 1
+            self.counts["started"] -= 1
+
+    def _log_samples(self, samples, results) -> None:
+        if not self.workdir:
+            return
+        append_jsonl(os.path.join(self.workdir, f"samples.w{self.index}.jsonl"), [
+            {"time_s": c.finish_time, "engine_id": c.engine_id, "response_length": len(c.token_ids),
+             "reward": r.reward, "correct": r.correct, "finish_reason": c.finish_reason,
+             "start_version": c.start_version, "gen_time_s": c.finish_time - c.start_time,
+             "queue_time_s": c.start_time - c.submit_time}
+            for c, r in zip(samples, results)])
+
+    def _report_engine_stats(self, every_s: float) -> None:
+        now = time.time()
+        if now - self._engine_stats_time < every_s:
+            return
+        self._engine_stats = self.engine.stats()
+        self._engine_stats_time = now
+        if self.workdir:
+            s = self._engine_stats
+            append_jsonl(os.path.join(self.workdir, "engine_stats.jsonl"), [{
+                "time_s": now, "engine_id": s["engine_id"], "version": s["version"],
+                "occupancy": s["slot_occupancy"], "active_slots": s["active_slots"],
+                "num_slots": s["num_slots"], "tokens_per_s": s["tokens_per_s"],
+                "busy_fraction": s["busy_fraction"], "queued_samples": s["queued_samples"],
+                "decode_steps": s["window_decode_steps"]}])
+
+    def run(self, max_groups: Optional[int] = None, max_seconds: Optional[float] = None) -> None:
+        """Runs until `stop()`, `max_groups` groups were scored, or `max_seconds` passed."""
+        t0 = time.time()
+        # Keep a couple of requests queued beyond the free slots so the engine never idles.
+        slots = getattr(self.engine, "num_slots", 8)
+        max_requests = max(1, -(-2 * slots // self.group_size))
+        while not self._stop.is_set():
+            if max_groups is not None and self.counts["groups_scored"] >= max_groups:
+                break
+            if max_seconds is not None and time.time() - t0 > max_seconds:
+                break
+            while len(self._inflight) < max_requests and self.can_admit():
+                self.submit_one()
+            for c in self.engine.get_completions(timeout=0.02):
+                group = self._samples[c.request_id]
+                group.append(c)
+                if len(group) == self.group_size:
+                    self.finish_group(c.request_id, self._samples.pop(c.request_id))
+            self._report_engine_stats(self.cfg.rollout.stats_every_s)
+
+    def stop(self) -> None:
+        self._stop.set()
