@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from pipelinerl_jax.config import ConfigError  # noqa: E402
 from pipelinerl_jax.sim.experiment import run  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Simulator config file.", lock_config=True)
@@ -23,7 +24,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
-    run(_CONFIG.value, _WORKDIR.value)
+    try:
+        run(_CONFIG.value, _WORKDIR.value)
+    except ConfigError as e:  # a bad description: say which key, no traceback
+        sys.exit(f"config error: {e}")
 
 
 if __name__ == "__main__":

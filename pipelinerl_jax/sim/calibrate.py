@@ -144,10 +144,13 @@ def calibrated_setup(m: RunMeasurements, base):
     decode = DecodeLatency(mem_fixed_s=max(a, 0.0), mem_per_ctx_s=0.0, cmp_per_seq_s=max(b, 0.0),
                            cmp_per_ctx_s=0.0, sharpness=1.0)
     max_len = int(m.lengths.max())
+    # The simulator charges the learner for prompt tokens too; the fit's intercept already
+    # holds them (every step trains batch_size x group_size prompts), so take them out.
+    fixed = max(c - d * m.batch_size * m.group_size * m.prompt_len, 0.0)
     return dataclasses.replace(
         base, mode=m.mode, steps=m.steps, samplers=m.engines, trainers=1, tp=1,
         devices=m.engines + 1, slots=m.slots, decode=decode,
-        train=TrainTime(max(c, 0.0), max(d, 0.0)), lengths=Empirical(m.lengths, max_len),
+        train=TrainTime(fixed, max(d, 0.0)), lengths=Empirical(m.lengths, max_len),
         prompt_len=m.prompt_len, group_size=m.group_size, batch_size=m.batch_size,
         max_lag=m.max_lag if m.mode == "async" else None, weight_sync_s=m.weight_sync_s,
         warmup_steps=min(max(m.steps // 10, 0), m.steps - 1), trace_steps=0,
