@@ -1,5 +1,5 @@
 """The benchmark setting (scripts/bench_sim.py): 64 x H100, Qwen2.5-7B, 512 prompts x 16
-samples per step, async with 12 sampler and 52 trainer devices (the best split the sweep
+samples per step, async with 19 sampler and 45 trainer devices (the best split the sweep
 finds for it), queue of 2 batches, max_lag 4, 1,000 learner steps."""
 from pipelinerl_jax.sim.config import default_config
 
@@ -9,8 +9,8 @@ def get_config(arg: str = "async"):
     c.mode = arg
     c.steps = 1000
     c.devices = 64
-    c.split.samplers = 12
-    c.split.trainers = 52
+    c.split.samplers = 19
+    c.split.trainers = 45
     c.hardware.preset = "h100"
     c.model.preset = "qwen2.5-7b"
     c.train.batch_size = 512

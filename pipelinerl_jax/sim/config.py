@@ -49,6 +49,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.lengths = ml_collections.ConfigDict({
         "kind": "lognormal",  # lognormal | empirical
         "median": 1000.0, "tail": 6000.0, "tail_quantile": 0.99,  # lognormal
+        "truncated_fraction": 0.0,  # share of samples that run to rollout.max_new_tokens
         "observed": (), "path": ""})  # empirical: a list, or a run dir / samples.jsonl
     c.rollout = ml_collections.ConfigDict({
         "concurrency": 256,  # max running sequences per engine
@@ -118,13 +119,14 @@ def model_spec(cfg) -> ModelSpec:
 def length_distribution(cfg):
     max_len = positive_int(cfg, "rollout.max_new_tokens")
     kind = one_of(cfg, "lengths.kind", ("lognormal", "empirical"))
+    trunc = number(cfg, "lengths.truncated_fraction", lo=0.0, hi=1.0)
     if kind == "lognormal":
         med = number(cfg, "lengths.median", lo=0, lo_open=True)
         tail = number(cfg, "lengths.tail", lo=med, lo_open=True)
         q = number(cfg, "lengths.tail_quantile", lo=0.5, hi=1.0, lo_open=True)
         if q >= 1.0:
             raise ConfigError("lengths.tail_quantile", f"must be < 1, got {q}")
-        return LogNormal(med, tail, q, max_len)
+        return LogNormal(med, tail, q, max_len, trunc)
     values = list(cfg.lengths.observed)
     if cfg.lengths.path:
         try:
@@ -134,7 +136,7 @@ def length_distribution(cfg):
     if not values:
         raise ConfigError("lengths.observed", "empirical lengths need lengths.observed or lengths.path")
     try:
-        return Empirical(values, max_len)
+        return Empirical(values, max_len, trunc)
     except ValueError as e:
         raise ConfigError("lengths.observed", str(e)) from None
 

@@ -136,13 +136,21 @@ class EnginePool:
             c_fill = np.maximum(c0, self.P) * b_fill / np.maximum(b0, 1)
             t_step = lat.step_time(np.maximum(b_fill, 1), c_fill)
             budget = np.floor((horizon - self.clock) / t_step * 1.1) + 16
-            budget = np.where(need, np.minimum(budget, _UNBOUNDED), 0).astype(np.int64)
+            # The budget only bounds admissions; an engine that may admit nothing just
+            # drains, and the cut finds where it stands at the horizon.
+            budget = np.where(allow_left > 0, np.minimum(budget, _UNBOUNDED), _UNBOUNDED)
+            budget = np.where(need, budget, 0).astype(np.int64)
         else:
             budget = np.where(need, _UNBOUNDED, 0).astype(np.int64)
 
-        # 1. Fill slots in rounds.
+        # 1. Fill slots in rounds. Each slot's current segment [s, e) holds c0 cached tokens at
+        # step s, adding 1 to the batch B and (c0 - s) + n to the cached tokens C at steps
+        # s <= n < e; `icpt` is its c0 - s. A new sample starts where the slot's previous
+        # one ended, so one event per admission records the change of (B, icpt) there.
         free_at = self.rem.copy()
-        new_slot, new_start, new_len = [], [], []
+        live = active.copy()
+        icpt = np.where(active, self.ctx, 0).astype(np.float64)
+        new_slot, new_start, new_len, ev_db, ev_di = [], [], [], [], []
         cand = np.flatnonzero((free_at < budget[eng]) & (allow_left[eng] > 0))
         while cand.size:
             e = eng[cand]
@@ -156,6 +164,12 @@ class EnginePool:
                 cnt = np.bincount(e, minlength=E)
             lengths = self._draw(cand.size)
             start = free_at[cand]
+            was = live[cand]
+            fresh_icpt = self.P - start.astype(np.float64)
+            ev_db.append(1.0 - was)
+            ev_di.append(fresh_icpt - icpt[cand] * was)
+            icpt[cand] = fresh_icpt
+            live[cand] = True
             new_slot.append(cand)
             new_start.append(start)
             new_len.append(lengths)
@@ -175,16 +189,15 @@ class EnginePool:
         w = np.clip(extent[:, None] - k_lo[None, :], 0, width).astype(np.float64)  # [E, nb]
         size = E * nb
 
-        # A segment [s, e) holding c0 cached tokens at step s adds 1 to the batch B and
-        # (c0 - s) + n to the cached tokens C at steps s <= n < e. Carried segments start at
-        # step 0 (added per engine below); events past an engine's extent are clamped onto
-        # it, where they weigh nothing.
+        # Events: admissions (change of B and icpt where a sample starts) and the end of each
+        # slot's last segment. Carried segments start at step 0 (added per engine below);
+        # events past an engine's extent are clamped onto it, where they weigh nothing.
         n_new = new_start.size
-        ev_e = np.concatenate([eng_c, new_eng, new_eng])
-        ev_x = np.minimum(np.concatenate([ends_c, new_start, new_end]), extent[ev_e])
-        ev_d = np.concatenate([-np.ones(ends_c.size), np.ones(n_new), -np.ones(n_new)])
-        icpt_n = (self.P - new_start).astype(np.float64)
-        ev_i = np.concatenate([-self.ctx[slots_c].astype(np.float64), icpt_n, -icpt_n])
+        last = np.flatnonzero(live)
+        ev_e = np.concatenate([new_eng, eng[last]])
+        ev_x = np.minimum(np.concatenate([new_start, free_at[last]]), extent[ev_e])
+        ev_d = np.concatenate(ev_db + [-np.ones(last.size)])
+        ev_i = np.concatenate(ev_di + [-icpt[last]])
         k = np.minimum(ev_x // width, nb - 1)
         flat = ev_e * nb + k
         left = np.minimum((k + 1) * width, extent[ev_e]) - ev_x  # steps left in the bin
@@ -204,8 +217,7 @@ class EnginePool:
         safe_w = np.where(w > 0, w, 1.0)
         t_bin = np.where(w > 0, w * lat.step_time(tok / safe_w, ctx_steps / safe_w), 0.0)
         if n_new:
-            starts = flat[ends_c.size: ends_c.size + n_new]
-            t_bin += (np.bincount(starts, minlength=size).reshape(E, nb)
+            t_bin += (np.bincount(flat[:n_new], minlength=size).reshape(E, nb)
                       * lat.prefill_time(self.prefill_per_sample))
         t_cum = np.cumsum(t_bin, 1)
         t_beg = t_cum - t_bin
@@ -219,12 +231,13 @@ class EnginePool:
             kb = np.minimum((t_cum[r] < room[r, None]).sum(1), nb - 1)
             frac = (room[r] - t_beg[r, kb]) / np.where(t_bin[r, kb] > 0, t_bin[r, kb], 1.0)
             cut[r] = np.minimum(extent[r], k_lo[kb] + np.ceil(frac * w[r, kb]).astype(np.int64))
-        t_beg_f, rate_f = t_beg.ravel(), (t_bin / safe_w).ravel()
+        # Time is linear within a bin: T(x) = base + rate·x for x in (k·width, (k+1)·width].
+        rate = t_bin / safe_w
+        base_f, rate_f = (t_beg - rate * k_lo[None, :]).ravel(), rate.ravel()
 
         def time_at(e, x):  # seconds after the engine's clock when x steps are done
-            kk = np.clip((x - 1) // width, 0, nb - 1)
-            i = e * nb + kk
-            return np.where(x > 0, t_beg_f[i] + rate_f[i] * (x - kk * width), 0.0)
+            i = e * nb + np.clip((x - 1) // width, 0, nb - 1)
+            return base_f[i] + rate_f[i] * x
 
         # Carried sequences.
         ran = cut[eng_c]

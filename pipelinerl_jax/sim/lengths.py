@@ -8,6 +8,8 @@ where the stragglers of a synchronous step come from.
              mu = ln(median), sigma = (ln(q) - ln(median)) / z(q), z the standard normal quantile.
   empirical  resampled with replacement from observed lengths (a list, or a run's
              `samples.jsonl` `response_length` column).
+Either can add a point mass at `max_len`: `truncated_fraction` of samples ramble until they
+are cut off (RL runs report this as the truncation or "overlong" rate).
 """
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ class LengthDistribution:
     """Base: integer lengths in [1, max_len]. Subclasses implement `_raw(rng, n)`."""
 
     max_len: int
+    truncated_fraction: float = 0.0
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        x = self._raw(rng, n)
-        return np.clip(np.ceil(x), 1, self.max_len).astype(np.int64)
+        x = np.clip(np.ceil(self._raw(rng, n)), 1, self.max_len).astype(np.int64)
+        if self.truncated_fraction > 0:
+            x[rng.random(n) < self.truncated_fraction] = self.max_len
+        return x
 
     def moments(self, n: int = 200_000, seed: int = 12345) -> tuple[float, float]:
         """(E[L], E[L²]) by Monte Carlo on a fixed seed, so results are reproducible."""
@@ -38,10 +43,12 @@ class LengthDistribution:
 
 
 class LogNormal(LengthDistribution):
-    def __init__(self, median: float, tail: float, tail_q: float = 0.99, max_len: int = 4096):
+    def __init__(self, median: float, tail: float, tail_q: float = 0.99, max_len: int = 4096,
+                 truncated_fraction: float = 0.0):
         if not 0 < median < tail:
             raise ValueError(f"need 0 < median < tail, got median={median}, tail={tail}")
         self.median, self.tail, self.tail_q, self.max_len = median, tail, tail_q, int(max_len)
+        self.truncated_fraction = float(truncated_fraction)
         self.mu = math.log(median)
         self.sigma = (math.log(tail) - self.mu) / NormalDist().inv_cdf(tail_q)
 
@@ -49,17 +56,18 @@ class LogNormal(LengthDistribution):
         return np.exp(self.mu + self.sigma * rng.standard_normal(n))
 
     def __repr__(self):
-        return (f"LogNormal(median={self.median}, p{100 * self.tail_q:g}={self.tail}, "
-                f"max_len={self.max_len})")
+        return (f"LogNormal(median={self.median:g}, p{100 * self.tail_q:g}={self.tail:g}, "
+                f"max_len={self.max_len}, truncated={self.truncated_fraction:g})")
 
 
 class Empirical(LengthDistribution):
-    def __init__(self, values, max_len: int | None = None):
+    def __init__(self, values, max_len: int | None = None, truncated_fraction: float = 0.0):
         v = np.asarray(values, np.float64).ravel()
         if v.size == 0 or not np.all(np.isfinite(v)) or np.any(v < 1):
             raise ValueError("empirical lengths must be a non-empty list of numbers >= 1")
         self.values = v
         self.max_len = int(max_len) if max_len else int(np.ceil(v.max()))
+        self.truncated_fraction = float(truncated_fraction)
 
     def _raw(self, rng, n):
         return self.values[rng.integers(0, self.values.size, n)]

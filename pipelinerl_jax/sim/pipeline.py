@@ -34,6 +34,7 @@ from pipelinerl_jax.sim.timeline import TimeSeries, VersionTimeline
 
 MODES = ("sync", "one_step", "async")
 _LAG_BINS = 64  # histogram bins for lags; larger lags land in the last bin
+_IDLE_HORIZON_FRACTION = 0.5  # see _run_async.idle_horizon
 
 
 @dataclasses.dataclass
@@ -144,7 +145,6 @@ class _Learner:
         rec = self.store.gather(groups)
         length = rec["length"].ravel()
         start_lag = L - rec["start_v"].ravel()
-        lag_mean = L - rec["mean_v"].ravel()
         tokens = float(length.sum())
         start = max(ready_t, self.free_at)
         end = start + float(s.train.step_time(tokens + length.size * s.prompt_len,
@@ -154,25 +154,29 @@ class _Learner:
         self.series.add([end], [sync_end], sync_seconds=[sync_end - end])
         self.start_lag_hist += np.bincount(np.minimum(start_lag, _LAG_BINS - 1),
                                            minlength=_LAG_BINS)
-        if self.in_flight:
-            self.token_lag_hist += self.timeline.tokens_by_lag(
-                rec["start_t"].ravel(), rec["finish_t"].ravel(), length,
-                rec["start_v"].ravel(), L, _LAG_BINS - 1)
+        if self.in_flight:  # tokens carry the versions live while they were generated
+            tok_hist = self.timeline.tokens_by_lag(rec["start_t"].ravel(), rec["finish_t"].ravel(),
+                                                   length, L, _LAG_BINS - 1)
         else:
-            self.token_lag_hist += np.bincount(np.minimum(start_lag, _LAG_BINS - 1),
-                                               weights=length, minlength=_LAG_BINS)
+            tok_hist = np.bincount(np.minimum(start_lag, _LAG_BINS - 1), weights=length,
+                                   minlength=_LAG_BINS)
+        self.token_lag_hist += tok_hist
         if L < s.trace_steps:
             tr = self.trace
+            if self.in_flight:
+                mean_v = self.timeline.mean_version(rec["start_t"].ravel(), rec["finish_t"].ravel())
+            else:
+                mean_v = rec["start_v"].ravel()
             tr["step"].append(np.full(length.size, L))
             tr["start_lag"].append(start_lag)
-            tr["lag_mean"].append(lag_mean)
+            tr["lag_mean"].append(L - mean_v)
             tr["length"].append(length)
             tr["start_t"].append(rec["start_t"].ravel())
             tr["finish_t"].append(rec["finish_t"].ravel())
             tr["group"].append(np.repeat(groups, s.group_size))
+        lag_mean = float(tok_hist @ np.arange(_LAG_BINS) / max(tok_hist.sum(), 1e-12))
         self.rows.append((L, ready_t, start, end, sync_end, length.size, tokens,
-                          start_lag.mean(), start_lag.max(), float((lag_mean * length).sum() / tokens),
-                          self.dropped_samples))
+                          start_lag.mean(), start_lag.max(), lag_mean, self.dropped_samples))
         self.store.resolve(groups)
         self.consumed_groups += groups.size
         self.trained_samples += length.size
@@ -198,13 +202,11 @@ def _make(s: SimSetup):
     return pool, store, timeline, series
 
 
-def _collect(pool, store, admitted, version, timeline, in_flight):
+def _collect(store, advanced, version):
     """Stores what an `advance` returned; returns completed groups and their times."""
-    sids, t_adm, lens, fin, t_fin = admitted
+    sids, t_adm, lens, fin, t_fin = advanced
     store.admit(sids, t_adm, lens, version)
-    start_t, start_v = store.start_of(fin)
-    mean_v = timeline.mean_version(start_t, t_fin) if in_flight else start_v
-    return store.finish(fin, t_fin, mean_v)
+    return store.finish(fin, t_fin)
 
 
 def _run_batched(s: SimSetup) -> SimResult:
@@ -221,7 +223,7 @@ def _run_batched(s: SimSetup) -> SimResult:
         pool.clock[:] = start
         pool.set_group_cap((k + 1) * s.batch_size)
         out = pool.advance(np.inf)
-        groups, times = _collect(pool, store, out, gen_version, timeline, in_flight=False)
+        groups, times = _collect(store, out, gen_version)
         gen_end = float(times.max())
         if k < s.trace_steps:
             completion.append(np.sort(out[4]) - start)
@@ -237,19 +239,31 @@ def _run_async(s: SimSetup) -> SimResult:
     learner = _Learner(s, store, timeline, series, in_flight=True)
     queue = GroupQueue()
     bg, G = s.batch_size, s.group_size
-    slot_groups = math.ceil(pool.E * pool.S / G)
     min_tokens = bg * G * (s.prompt_len + 1)
     t_train_min = max(float(s.train.step_time(min_tokens, s.trainers)), 1e-6)
     now = 0.0
     train_end = sync_end = None  # of the step in progress
+    late = 0  # learner steps that ended inside an epoch (their pause/bump applied late)
 
-    def group_cap():
+    def idle_horizon():
+        # While the learner waits, no learner event can come sooner than one train step
+        # from now. The true minimum (every response one token long) is far below any real
+        # step, so half the last step's time is used instead: a step would have to run
+        # twice as fast as the previous one to end inside the epoch (counted as `late`).
+        last = learner.rows[-1][3] - learner.rows[-1][2] if learner.rows else 0.0
+        return now + max(t_train_min, _IDLE_HORIZON_FRACTION * last)
+
+    def limit_admission():
+        # PipelineRL's throttle: by the time version v is live, at most (v + max_lag + 1)
+        # batches of groups may have been submitted (dropped groups give their place back).
         cap = math.inf
         if s.max_lag is not None:
             cap = (timeline.latest + s.max_lag + 1) * bg + learner.dropped_groups
-        if math.isfinite(s.queue_capacity_batches):
-            cap = min(cap, learner.consumed_groups + s.queue_capacity_batches * bg + slot_groups)
-        return cap
+        pool.set_group_cap(cap)
+        # A full result queue blocks submission; checked once per epoch, so the queue may
+        # overshoot its capacity by what finishes within one epoch.
+        if len(queue) >= s.queue_capacity_batches * bg:
+            pool.allowed = np.minimum(pool.allowed, pool.admitted)
 
     def start_if_ready(t_limit):
         nonlocal train_end, sync_end
@@ -263,13 +277,14 @@ def _run_async(s: SimSetup) -> SimResult:
         if train_end is not None:
             horizon = train_end if now < train_end else sync_end
         else:
-            horizon = now + t_train_min
-        pool.set_group_cap(group_cap())
+            horizon = idle_horizon()
+        limit_admission()
         out = pool.advance(horizon)
-        groups, times = _collect(pool, store, out, timeline.latest, timeline, in_flight=True)
+        groups, times = _collect(store, out, timeline.latest)
         queue.push(groups, times)
         if train_end is None and len(learner.rows) < s.steps:
             start_if_ready(horizon)
+            late += train_end is not None and train_end < horizon
         now = horizon
         if train_end is not None and now >= train_end:
             if s.pause_samplers_on_sync:  # engines stop while the new weights load
@@ -278,7 +293,9 @@ def _run_async(s: SimSetup) -> SimResult:
             if now >= sync_end:
                 timeline.publish(sync_end)
                 train_end = sync_end = None
-    return _result(s, pool, store, learner, queue, series, [])
+    result = _result(s, pool, store, learner, queue, series, [])
+    result.counters["late_learner_events"] = int(late)
+    return result
 
 
 def simulate(s: SimSetup) -> SimResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 _SAMPLE_FIELDS = {"length": np.int64, "start_t": np.float64, "finish_t": np.float64,
-                  "start_v": np.int64, "mean_v": np.float64}
+                  "start_v": np.int64}
 
 
 class SampleStore:
@@ -65,17 +65,12 @@ class SampleStore:
         self.f["length"][pos] = lengths
         self.f["start_v"][pos] = version
 
-    def start_of(self, sids):
-        pos = self._pos(sids)
-        return self.f["start_t"][pos], self.f["start_v"][pos]
-
-    def finish(self, sids, times, mean_versions):
+    def finish(self, sids, times):
         """Records finished samples; returns (ids, completion times) of groups now complete."""
         if sids.size == 0:
             return np.zeros(0, np.int64), np.zeros(0)
         pos = self._pos(sids)
         self.f["finish_t"][pos] = times
-        self.f["mean_v"][pos] = mean_versions
         slot = pos // self.G
         got = np.bincount(slot, minlength=self.cap)
         self.n_done += got

@@ -22,3 +22,9 @@ def test_empirical_resamples_observed_lengths():
     assert (m1, m2) == (100.0, 10000.0)
     with pytest.raises(ValueError):
         Empirical([])
+
+
+def test_truncated_fraction_runs_to_the_cap():
+    d = LogNormal(median=100, tail=500, max_len=8000, truncated_fraction=0.01)
+    x = d.sample(np.random.default_rng(2), 200_000)
+    assert (x == 8000).mean() == pytest.approx(0.01, abs=0.001)
