@@ -77,7 +77,8 @@ class EnginePool:
 
     def sample_ids(self, engine, local):
         """Global sample id of an engine's `local`-th admission: group (local//G)·E + engine."""
-        return ((local // self.G) * self.E + engine) * self.G + local % self.G
+        group, member = np.divmod(local, self.G)
+        return (group * self.E + engine) * self.G + member
 
     def _draw(self, n: int) -> np.ndarray:
         """Next n response lengths, drawn in blocks (one RNG call per ~64k samples)."""
@@ -231,11 +232,12 @@ class EnginePool:
             kb = np.minimum((t_cum[r] < room[r, None]).sum(1), nb - 1)
             frac = (room[r] - t_beg[r, kb]) / np.where(t_bin[r, kb] > 0, t_bin[r, kb], 1.0)
             cut[r] = np.minimum(extent[r], k_lo[kb] + np.ceil(frac * w[r, kb]).astype(np.int64))
-        # Time is linear within a bin: T(x) = base + rate·x for x in (k·width, (k+1)·width].
+        # Time is linear within a bin: T(x) = clock + base + rate·x for x in (k·w, (k+1)·w].
         rate = t_bin / safe_w
-        base_f, rate_f = (t_beg - rate * k_lo[None, :]).ravel(), rate.ravel()
+        base_f = (self.clock[:, None] + t_beg - rate * k_lo[None, :]).ravel()
+        rate_f = rate.ravel()
 
-        def time_at(e, x):  # seconds after the engine's clock when x steps are done
+        def time_at(e, x):  # the engine's time when x steps of this chunk are done
             i = e * nb + np.clip((x - 1) // width, 0, nb - 1)
             return base_f[i] + rate_f[i] * x
 
@@ -259,17 +261,18 @@ class EnginePool:
         sids = self.sample_ids(neng, local)
         nc = cut[neng]
         done_n = ne <= nc
-        run = ~done_n
-        self.rem[nsl[run]] = ne[run] - nc[run]
-        self.ctx[nsl[run]] = self.P + nc[run] - ns[run]
-        self.sid[nsl[run]] = sids[run]
+        run = np.flatnonzero(~done_n)
+        nc_r, slot_r = nc[run], nsl[run]
+        self.rem[slot_r] = ne[run] - nc_r
+        self.ctx[slot_r] = self.P + nc_r - ns[run]
+        self.sid[slot_r] = sids[run]
         self.decode_tokens += int((np.minimum(ne, nc) - ns).sum())
 
         # One lookup for every time needed: finishes (carried, new), admissions, clocks.
         n_fc, n_fn = fin_x_c.size, int(done_n.sum())
         all_e = np.concatenate([fin_e_c, neng[done_n], neng, np.arange(E)])
         all_x = np.concatenate([fin_x_c, ne[done_n], ns, cut])
-        times = self.clock[all_e] + time_at(all_e, all_x)
+        times = time_at(all_e, all_x)
         fin_t = times[: n_fc + n_fn]
         admit_t = times[n_fc + n_fn: -E]
         new_clock = np.where(need, times[-E:], self.clock)

@@ -1,5 +1,6 @@
 """What `experiments/simulate.py` does: one simulation, a split sweep, or a calibration,
-each writing `WORKDIR/summary.json` and a plot."""
+each writing `WORKDIR/summary.json` and a plot (a simulation also writes series.csv,
+steps.csv and, when synchronous, sync_completion.csv)."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,24 @@ def _jsonable(x):
     return x
 
 
+def _write_tables(result, workdir):
+    """series.csv (per time bin, per device averages), steps.csv (per learner step) and, for
+    sync/one_step, sync_completion.csv (seconds from step start to each sample's finish)."""
+    r = plots.rates(result)
+    cols = ("t", "tokens_per_s", "batch", "occupancy", "learner_busy")
+    np.savetxt(os.path.join(workdir, "series.csv"), np.column_stack([r[c] for c in cols]),
+               delimiter=",", header="time_s,gen_tokens_per_s,batch_per_engine,"
+               "sampler_occupancy,learner_busy_fraction", comments="", fmt="%.6g")
+    st = result.steps
+    names = list(st)
+    np.savetxt(os.path.join(workdir, "steps.csv"), np.column_stack([st[n] for n in names]),
+               delimiter=",", header=",".join(names), comments="", fmt="%.6g")
+    if result.sync_completion:
+        rows = [(k, t) for k, ts in enumerate(result.sync_completion) for t in ts]
+        np.savetxt(os.path.join(workdir, "sync_completion.csv"), np.asarray(rows),
+                   delimiter=",", header="step,seconds", comments="", fmt="%.6g")
+
+
 def run(cfg, workdir: str) -> dict:
     """Runs what `cfg` asks for; validates first, so a bad config fails before any work."""
     mode = one_of(cfg, "mode", MODES + ("sweep",))
@@ -44,6 +63,7 @@ def run(cfg, workdir: str) -> dict:
     else:
         result = simulate(base)
         out = {"kind": "simulation", **result.summary()}
+        _write_tables(result, workdir)
         if want_plots:
             plots.plot_run(result, os.path.join(workdir, "run.png"))
     out["config"] = json.loads(cfg.to_json_best_effort())

@@ -85,6 +85,11 @@ def test_cli_simulation_and_calibration_write_summary(tmp_path, truth):
     assert summary["mode"] == "sync" and summary["steps"] == 6
     assert summary["counters"]["trained"] == 6 * 8 * 4
     assert (work / "run.png").stat().st_size > 1000
+    steps_csv = (work / "steps.csv").read_text().splitlines()
+    assert steps_csv[0].startswith("step,") and len(steps_csv) == 7
+    completion = (work / "sync_completion.csv").read_text().splitlines()
+    assert len(completion) == 1 + min(6, 20) * 8 * 4  # every traced sample of every step
+    assert (work / "series.csv").exists()
     cal = tmp_path / "cal"
     p = _simulate_cli("--config=configs/sim/tiny.py", f"--workdir={cal}",
                       f"--config.calibrate_from={truth[2]}", "--config.output.plots=False")

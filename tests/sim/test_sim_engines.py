@@ -16,8 +16,7 @@ P = 64
 def _brute_force_drain(lengths, prefill_tokens):
     """One engine, every sample admitted at step 0: per-step B and C, summed step by step."""
     lengths = np.sort(lengths)
-    t, finish, n = LAT.prefill_time(prefill_tokens * lengths.size), {}, 0
-    alive = lengths.size
+    t, finish = LAT.prefill_time(prefill_tokens * lengths.size), {}
     for n in range(int(lengths.max())):
         running = lengths > n
         t += LAT.step_time(running.sum(), (P + n) * running.sum())
