@@ -7,9 +7,10 @@
             (one-step off-policy); each side waits for the other once per step.
   async     samplers decode continuously (continuous batching) and update weights in flight;
             finished groups go to a queue of `queue_capacity_batches`; the learner trains as
-            soon as a batch is queued. Admission is throttled so that a new group's expected
-            lag stays within `max_lag` and the queue does not overflow; groups whose
-            start_lag still exceeds `max_lag` when the learner reaches them are dropped.
+            soon as a batch is queued. Submission stops while the queue is full, and
+            `max_lag` throttles it the PipelineRL way (at most (v + max_lag + 1) batches of
+            groups submitted by the time version v is live); groups whose start_lag still
+            exceeds `max_lag` when the learner reaches them are dropped.
 
 Lag (DESIGN.md "Provenance"): the learner at version L trains a sample whose generation
 started at version v0 with `start_lag = L - v0`; per token `lag = L - version[t]`, where with
@@ -93,8 +94,8 @@ class _Learner:
     """Takes batches from the queue, trains them, keeps the step records and lag stats."""
 
     def __init__(self, s: SimSetup, store: SampleStore, timeline: VersionTimeline,
-                 series: TimeSeries, in_flight: bool):
-        self.s, self.store, self.timeline, self.series = s, store, timeline, series
+                 in_flight: bool):
+        self.s, self.store, self.timeline = s, store, timeline
         self.in_flight = in_flight
         self.version = 0
         self.free_at = 0.0  # when the learner can start its next step
@@ -150,8 +151,6 @@ class _Learner:
         end = start + float(s.train.step_time(tokens + length.size * s.prompt_len,
                                               s.learner_devices))
         sync_end = end + s.weight_sync_s
-        self.series.add([start], [end], train_seconds=[end - start])
-        self.series.add([end], [sync_end], sync_seconds=[sync_end - end])
         self.start_lag_hist += np.bincount(np.minimum(start_lag, _LAG_BINS - 1),
                                            minlength=_LAG_BINS)
         if self.in_flight:  # tokens carry the versions live while they were generated
@@ -212,7 +211,7 @@ def _collect(store, advanced, version):
 def _run_batched(s: SimSetup) -> SimResult:
     """sync and one_step: each learner step's batch is generated whole, then trained."""
     pool, store, timeline, series = _make(s)
-    learner = _Learner(s, store, timeline, series, in_flight=False)
+    learner = _Learner(s, store, timeline, in_flight=False)
     queue = GroupQueue()
     completion = []
     gen_end = 0.0
@@ -236,7 +235,7 @@ def _run_batched(s: SimSetup) -> SimResult:
 
 def _run_async(s: SimSetup) -> SimResult:
     pool, store, timeline, series = _make(s)
-    learner = _Learner(s, store, timeline, series, in_flight=True)
+    learner = _Learner(s, store, timeline, in_flight=True)
     queue = GroupQueue()
     bg, G = s.batch_size, s.group_size
     min_tokens = bg * G * (s.prompt_len + 1)
@@ -306,6 +305,9 @@ def simulate(s: SimSetup) -> SimResult:
 
 
 def _result(s, pool, store, learner, queue, series, completion) -> SimResult:
+    st = learner.records()  # learner busy time goes into the series in one pass
+    series.add(st["start_t"], st["end_t"], train_seconds=st["end_t"] - st["start_t"])
+    series.add(st["end_t"], st["sync_end_t"], sync_seconds=st["sync_end_t"] - st["end_t"])
     t, bins = series.bins()
     trace = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in learner.trace.items()}
     finished = learner.trained_samples + learner.dropped_samples + len(queue) * s.group_size \
@@ -315,7 +317,7 @@ def _result(s, pool, store, learner, queue, series, completion) -> SimResult:
                 "dropped": learner.dropped_samples, "queued": len(queue) * s.group_size,
                 "waiting_for_group": store.pending_finished(),
                 "decode_tokens": pool.decode_tokens}
-    return SimResult(s, learner.records(), t, bins, learner.start_lag_hist,
+    return SimResult(s, st, t, bins, learner.start_lag_hist,
                      learner.token_lag_hist, trace, completion, counters)
 
 

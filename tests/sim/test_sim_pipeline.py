@@ -59,6 +59,7 @@ def test_conservation_and_staleness_bound(max_lag, capacity):
     assert k["admitted"] == k["finished"] + k["in_flight"]
     assert k["finished"] == k["trained"] + k["dropped"] + k["queued"] + k["waiting_for_group"]
     assert k["trained"] == c.steps * c.train.batch_size * c.train.group_size
+    assert k["late_learner_events"] == 0
     s = r.summary()
     if max_lag is not None:
         assert s["start_lag"]["max"] <= max_lag
