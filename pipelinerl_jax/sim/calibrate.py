@@ -8,8 +8,9 @@ Reads the run-directory schema of `docs/metrics.md`:
                       else active / tokens_per_s); engines = distinct `engine_id`;
   metrics.jsonl       `learner/step_time_s` vs `learner/tokens` -> t = c + d·tokens;
                       median `weight_sync/time_s`; and the measured figures below;
-  config.json         `batch_size`, `group_size`, `max_lag`, `mode`, `prompt_len`, wherever
-                      they sit in the tree (first match; the sim config fills what is absent).
+  config.json         the pipeline's `learner.batch_groups`, `rollout.group_size`, `max_lag`,
+                      `mode` (the sim's own `train.*` names are accepted too; a key found
+                      nowhere is inferred from samples.jsonl or left to the sim config).
 
 Then simulates the run with those pieces (DecodeLatency with p = 1, i.e. linear, and a
 learner on one "device" whose time per token is the fitted d) and reports, predicted vs
@@ -53,6 +54,18 @@ def _find(tree, key):
             if got is not None:
                 return got
     return None
+
+
+def _lookup(tree, paths, generic=None):
+    """The value at the first dotted path present in `tree`, else the first `generic` key
+    found anywhere in it, else None."""
+    for path in paths:
+        node = tree
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            return node
+    return _find(tree, generic) if generic else None
 
 
 def _column(rows, key):
@@ -108,11 +121,12 @@ def read_run(run_dir: str, warmup_fraction: float = 0.1) -> RunMeasurements:
     sync = _column(metrics, "weight_sync/time_s")
 
     per_step = np.bincount(np.asarray([int(r["step"]) for r in samples]))
-    group = int(_find(run_cfg, "group_size") or 1)
-    batch = _find(run_cfg, "batch_size")
+    group = int(_lookup(run_cfg, ["rollout.group_size", "train.group_size"], "group_size") or 1)
+    batch = _lookup(run_cfg, ["learner.batch_groups", "train.batch_size"], "batch_groups")
     batch = int(batch) if batch else int(np.median(per_step[per_step > 0]) // group)
-    mode = _find(run_cfg, "mode")
-    max_lag = _find(run_cfg, "max_lag")
+    mode = _lookup(run_cfg, ["mode"])
+    max_lag = _lookup(run_cfg, ["max_lag"])
+    prompt_len = _lookup(run_cfg, ["rollout.prompt_len", "task.prompt_len"], "prompt_len")
 
     n = len(metrics)
     w = min(int(n * warmup_fraction), n - 2) if n > 2 else 0
@@ -132,7 +146,7 @@ def read_run(run_dir: str, warmup_fraction: float = 0.1) -> RunMeasurements:
     return RunMeasurements(
         lengths=lengths, engines=engines, slots=slots, decode_fit=decode_fit, train_fit=train_fit,
         weight_sync_s=float(np.median(sync)) if sync.size else 0.0, batch_size=batch,
-        group_size=group, prompt_len=int(_find(run_cfg, "prompt_len") or 0),
+        group_size=group, prompt_len=int(prompt_len or 0),
         mode=mode if mode in MODES else "async",
         max_lag=int(max_lag) if max_lag is not None else None, steps=n, measured=measured)
 

@@ -11,9 +11,11 @@ def write_run_dir(result, path, rng_seed=0, stats_per_engine=40, noise=0.02):
     st, tr = result.steps, result.trace
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(rng_seed)
-    json.dump({"mode": s.mode, "max_lag": s.max_lag,
-               "rollout": {"prompt_len": s.prompt_len},
-               "learner": {"batch_size": s.batch_size, "group_size": s.group_size}},
+    # The pipeline's config layout (pipelinerl_jax/experiment.py), with a decoy batch_size.
+    json.dump({"mode": s.mode, "seed": 0, "max_lag": s.max_lag,
+               "warm_start": {"batch_size": 64},
+               "rollout": {"group_size": s.group_size, "prompt_len": s.prompt_len},
+               "learner": {"batch_groups": s.batch_size}},
               open(os.path.join(path, "config.json"), "w"))
     dt = s.series_dt_s
     occ = result.series["slot_seconds"] / (dt * s.engines * s.slots)
