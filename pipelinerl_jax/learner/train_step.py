@@ -69,10 +69,30 @@ def logp_and_entropy(logits, targets, temperature):
     return logp, entropy
 
 
-def init_state(model, optimizer) -> TrainState:
+def init_state(model, optimizer, mesh: Mesh) -> TrainState:
+    """The initial state, every leaf placed explicitly on `mesh`.
+
+    Optimizer moments take the sharding of the parameter they mirror (found by path suffix
+    and shape), everything else is replicated. Explicit placement matters beyond memory: a
+    leaf left uncommitted on the first call would differ in type from the step's output and
+    cost a recompilation on the second call.
+    """
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    opt_state = jax.jit(optimizer.init)(params)
-    return TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+    by_path = {tuple(p): (x.shape, x.sharding)
+               for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def sharding_for(path, leaf):
+        for i in range(len(path)):
+            hit = by_path.get(tuple(path[i:]))
+            if hit is not None and hit[0] == leaf.shape:
+                return hit[1]
+        return replicated
+
+    abstract = jax.eval_shape(optimizer.init, params)
+    opt_sharding = jax.tree_util.tree_map_with_path(sharding_for, abstract)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
+    return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
 
 
 def state_shardings(state: TrainState):
