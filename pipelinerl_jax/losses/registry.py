@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from pipelinerl_jax.config import ConfigError
@@ -178,8 +179,13 @@ def get_loss(name: str, *, diagnostics: bool = True,
         metrics.update(loss=sg(loss), pg_loss=sg(pg))
         metrics.update({k: sg(v) for k, v in terms.metrics.items()})
         if with_diagnostics:
-            metrics.update(off_policy.compute(x, terms.clip_low, terms.clip_high, terms.masked,
-                                              inputs.entropy))
+            # The barrier keeps XLA from fusing the diagnostics into the loss's forward and
+            # backward pass; fused, they re-materialised shared intermediates and PPO-like
+            # losses ran ~3x slower on CPU (scripts/bench_losses.py). The diagnostics re-clean
+            # the raw inputs behind it: passing the loss's cleaned arrays through was as slow.
+            raw, clips = jax.lax.optimization_barrier(
+                sg((inputs, (terms.clip_low, terms.clip_high, terms.masked))))
+            metrics.update(off_policy.compute(prepare(raw), *clips, raw.entropy))
         return loss, metrics
 
     loss_fn.name = name

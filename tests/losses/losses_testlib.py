@@ -56,6 +56,21 @@ def compiled(name, diagnostics=False, **hparams):
     return _CACHE[key]
 
 
+def run_many(configs, inputs):
+    """[(loss, grad)] in float64 for several (name, hparams) configurations on the same inputs,
+    from ONE compilation (diagnostics off): compiles, not runs, dominate these tests' time."""
+    key = ("many", tuple((name, tuple(sorted(hp.items()))) for name, hp in configs))
+    if key not in _CACHE:
+        fns = [get_loss(name, diagnostics=False, **hp) for name, hp in configs]
+
+        def step(inputs):
+            return [jax.value_and_grad(lambda lp, f=f: f(inputs._replace(logp=lp))[0])(
+                inputs.logp) for f in fns]
+        _CACHE[key] = jax.jit(step)
+    return [(np.float64(loss), np.asarray(grad, np.float64))
+            for loss, grad in _CACHE[key](to_jax(inputs))]
+
+
 def traces(name, diagnostics=False, **hparams):
     return TRACES.get((name, diagnostics,
                        tuple(sorted(resolve_hparams(name, **hparams).items()))), 0)
