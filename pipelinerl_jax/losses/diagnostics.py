@@ -107,8 +107,11 @@ def compute(x: Prepared, clip_low: Optional[Array] = None, clip_high: Optional[A
     onehot = ((bucket[..., None] == jnp.arange(len(LAG_BUCKETS))) & t[..., None])
     onehot = onehot.astype(jnp.float32)
     cols = [jnp.where(t, c, 0.0).astype(jnp.float32) for c in columns.values()]
-    sums = jnp.concatenate([jnp.einsum("kbt,btj->kj", jnp.stack(cols[i:i + _CHUNK]), onehot)
-                            for i in range(0, len(cols), _CHUNK)])
+    # Contract over T per row, then sum the rows: a contraction over a batch axis that is
+    # sharded (explicit sharding) would need an output sharding spelled out.
+    sums = jnp.concatenate([
+        jnp.sum(jnp.einsum("kbt,btj->bkj", jnp.stack(cols[i:i + _CHUNK]), onehot), axis=0)
+        for i in range(0, len(cols), _CHUNK)])
     sums = jnp.concatenate([sums, jnp.sum(sums, axis=1, keepdims=True)], axis=1)  # + overall
     extremes = {}
     for k, v in log_ratios.items():
