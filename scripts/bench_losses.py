@@ -3,8 +3,10 @@
 Per loss: the median wall time of one jitted forward + backward (gradient w.r.t. logp, every
 diagnostic included) over a [B, T] batch, after warmup, and its ratio to `reinforce`; the same
 built with `diagnostics=False`; and the loss-independent diagnostics alone. All functions take
-turns in every round, so load drifting on a shared machine hits them alike. Inputs are staleness-like: a proximal policy,
-lags 0..12, ragged rows, and log-ratios wide enough that m2po has to drop tokens.
+turns in every round, so load drifting on a shared machine hits them alike; the ratio of
+process CPU times is reported too (steadier when other processes compete for the cores).
+Inputs are staleness-like: a proximal policy, lags 0..12, ragged rows, per-token entropy, and
+log-ratios wide enough that m2po has to drop tokens.
 
     PYTHONPATH=. python scripts/bench_losses.py [--batch 256 --seq 1024 --repeats 20]
 

@@ -84,8 +84,9 @@ def test_reference_gradient_is_its_finite_difference(name, hparams):
         up["logp"], down["logp"] = inputs["logp"].copy(), inputs["logp"].copy()
         up["logp"][idx] += h
         down["logp"][idx] -= h
-        numeric[idx] = (ref.loss_and_grad(name, hparams, up, frozen=inputs["logp"])[0]
-                        - ref.loss_and_grad(name, hparams, down, frozen=inputs["logp"])[0]) / (2 * h)
+        value_up = ref.loss_and_grad(name, hparams, up, frozen=inputs["logp"])[0]
+        value_down = ref.loss_and_grad(name, hparams, down, frozen=inputs["logp"])[0]
+        numeric[idx] = (value_up - value_down) / (2 * h)
     np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-8)
 
 
