@@ -27,7 +27,7 @@ class Terms(NamedTuple):
     clip_low: Optional[Array] = None  # bool [B, T]: below the lower clip
     clip_high: Optional[Array] = None  # bool [B, T]: above the upper clip
     masked: Optional[Array] = None  # bool [B, T]: trained tokens the loss masked or excluded
-    metrics: dict = {}
+    metrics: Optional[dict] = None  # loss-specific scalars
 
 
 def reinforce(x: Prepared) -> Terms:

@@ -151,11 +151,11 @@ def get_loss(name: str, *, diagnostics: bool = True,
     `inputs.logp_ref` (a non-zero kl_coef requires logp_ref). `metrics` holds `loss`, `pg_loss`,
     `kl_ref` (when logp_ref is given), the loss's own metrics and, unless `diagnostics=False`
     (e.g. for all but one micro-batch of an accumulated step), every off-policy diagnostic of
-    `diagnostics.compute`. `loss_fn.name` / `loss_fn.hparams` record what was built.
+    `diagnostics.compute` (per-lag-bucket ones as `lag/<name>` float32[6] vectors; see
+    `diagnostics.flatten_metrics`). `loss_fn.name` / `loss_fn.hparams` record what was built.
     """
     hp = resolve_hparams(name, **hparams)
     spec = LOSSES[name]
-    with_diagnostics = diagnostics
     term_hp = {key: hp[key] for key in spec.hparams}
     agg, max_tokens = hp.get("agg", "seq_mean_token_mean"), hp.get("max_tokens")
 
@@ -177,8 +177,8 @@ def get_loss(name: str, *, diagnostics: bool = True,
             raise ConfigError("loss.kl_coef", f"is {hp['kl_coef']} but LossInputs.logp_ref is "
                                               f"None; pass reference log-probs or set 0")
         metrics.update(loss=sg(loss), pg_loss=sg(pg))
-        metrics.update({k: sg(v) for k, v in terms.metrics.items()})
-        if with_diagnostics:
+        metrics.update({k: sg(v) for k, v in (terms.metrics or {}).items()})
+        if diagnostics:
             # The barrier keeps XLA from fusing the diagnostics into the loss's forward and
             # backward pass; fused, they re-materialised shared intermediates and PPO-like
             # losses ran ~3x slower on CPU (scripts/bench_losses.py). The diagnostics re-clean
