@@ -1,0 +1,243 @@
+"""The policy losses: each turns cleaned inputs into a per-token term ℓ (then aggregated).
+
+A loss returns `Terms`: ℓ `[B, T]`, the normaliser mask (the trained tokens unless the loss
+*excludes* some), and for the diagnostics which tokens sit beyond its lower / upper clip and
+which trained tokens it masked (ℓ = 0, still in the normaliser) or excluded. `gspo` is
+sequence-level and returns its scalar directly. Notation: see `core`; r = π_θ/π_old,
+w = π_old/μ, ρ = π_θ/μ. Quantities under sg are held fixed when differentiating.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pipelinerl_jax.losses.core import MAX_LOG_RATIO, Prepared, clipped_surrogate, ratio, sg
+
+Array = jax.Array
+
+
+class Terms(NamedTuple):
+    ell: Optional[Array] = None  # per-token term ℓ
+    norm: Optional[Array] = None  # normaliser mask; None = the loss mask
+    loss: Optional[Array] = None  # set instead of ℓ by sequence-level losses
+    clip_low: Optional[Array] = None  # bool [B, T]: below the lower clip
+    clip_high: Optional[Array] = None  # bool [B, T]: above the upper clip
+    masked: Optional[Array] = None  # bool [B, T]: trained tokens the loss masked or excluded
+    metrics: Optional[dict] = None  # loss-specific scalars
+
+
+def reinforce(x: Prepared) -> Terms:
+    """ℓ = -A·log π_θ: the plain policy gradient (Williams 1992), no off-policy correction."""
+    return Terms(ell=-x.adv * x.logp)
+
+
+def ppo(x: Prepared, eps_low: float, eps_high: float, dual_clip: Optional[float]) -> Terms:
+    """PPO-clip (Schulman et al. 2017) with asymmetric range ("clip-higher", DAPO 2025):
+    ℓ = -min(r·A, clip(r, 1-eps_low, 1+eps_high)·A), r = π_θ/π_old. Dual clip (Ye et al. 2020,
+    "Mastering complex control in MOBA games"): for A < 0, ℓ = min(ℓ, -c·A) bounds the loss of a
+    token whose ratio has run far above 1."""
+    r = ratio(x.logp - x.logp_old)
+    lo, hi = clip_range(eps_low, eps_high)
+    ell = clipped_surrogate(r, x.adv, lo, hi)
+    metrics = {}
+    if dual_clip is not None:
+        bound = -dual_clip * x.adv
+        dual = (x.adv < 0) & (bound < ell)
+        ell = jnp.where(dual, bound, ell)
+        metrics["dual_clip_frac"] = jnp.sum(dual & x.trained) / jnp.maximum(jnp.sum(x.trained), 1)
+    return Terms(ell=ell, clip_low=r < lo, clip_high=r > hi, metrics=metrics)
+
+
+def tis(x: Prepared, cap: float, level: str) -> Terms:
+    """Truncated importance sampling against the behaviour policy (IMPALA/V-trace, Espeholt et
+    al. 2018; PipelineRL, Piché et al. 2025): ℓ = -sg(min(ρ, cap))·A·log π_θ with ρ = π_θ/μ per
+    token, or per row ρ = exp(Σ_t m·(log π_θ - log μ)) for level='sequence'."""
+    log_rho = sg(x.logp - x.logp_mu)
+    if level == "sequence":
+        log_rho = jnp.broadcast_to(jnp.sum(x.m * log_rho, axis=1, keepdims=True), log_rho.shape)
+    log_cap = math.log(cap)
+    # exp(min(log ρ, log cap)) == min(ρ, cap) and cannot overflow.
+    weight = jnp.exp(jnp.minimum(log_rho, log_cap))
+    return Terms(ell=-weight * x.adv * x.logp, clip_high=log_rho > log_cap)
+
+
+def clip_range(eps_low, eps_high, scale=1.0):
+    """(1 - eps_low·scale, 1 + eps_high·scale) in float32, the same arithmetic for every loss
+    so that staleness_clip at lag 0 reproduces ppo bit for bit."""
+    one = jnp.float32(1.0)
+    return (one - jnp.float32(eps_low) * scale, one + jnp.float32(eps_high) * scale)
+
+
+def _behaviour_weight(x: Prepared) -> Array:
+    """w = π_old/μ (sg), value-clamped like every ratio; exactly 1 without a proximal policy."""
+    if not x.has_proximal:
+        return jnp.ones_like(x.logp)
+    return jnp.exp(jnp.clip(x.logp_old - x.logp_mu, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def _decoupled(x: Prepared, lo, hi, weight: Optional[Array]) -> Terms:
+    r = ratio(x.logp - x.logp_old)
+    ell = clipped_surrogate(r, x.adv, lo, hi)
+    if weight is not None:
+        ell = sg(weight) * ell
+    return Terms(ell=ell, clip_low=r < lo, clip_high=r > hi)
+
+
+def decoupled_ppo(x: Prepared, eps_low: float, eps_high: float,
+                  behave_cap: Optional[float]) -> Terms:
+    """Decoupled PPO (AReaL, Fu et al. 2025): the trust region is around the proximal policy,
+    the off-policyness of the behaviour policy is corrected by importance weighting:
+    ℓ = -sg(w')·min(r·A, clip(r, 1-eps_low, 1+eps_high)·A), w' = w or min(w, behave_cap) (with a
+    cap this is the "TIS on PPO" of verl/slime). Without a proximal policy, w = 1: plain PPO."""
+    weight = None
+    if x.has_proximal:
+        weight = _behaviour_weight(x)
+        if behave_cap is not None:
+            weight = jnp.minimum(weight, behave_cap)
+    return _decoupled(x, *clip_range(eps_low, eps_high), weight)
+
+
+def icepop(x: Prepared, eps_low: float, eps_high: float, band_low: float,
+           band_high: float) -> Terms:
+    """IcePop (Ring/Ling team, inclusionAI 2025): decoupled PPO whose behaviour weight is *masked*
+    outside a band instead of truncated: w' = w if band_low ≤ w ≤ band_high else 0, so tokens
+    whose trainer/sampler probabilities disagree badly contribute nothing (but still count in the
+    normaliser). Without a proximal policy w = 1 and nothing is masked."""
+    w = _behaviour_weight(x)
+    in_band = (w >= band_low) & (w <= band_high)
+    terms = _decoupled(x, *clip_range(eps_low, eps_high), jnp.where(in_band, w, 0.0))
+    return terms._replace(masked=~in_band)
+
+
+def staleness_clip(x: Prepared, eps_low: float, eps_high: float, schedule: str, alpha: float,
+                   max_lag: Optional[int]) -> Terms:
+    """Decoupled PPO whose clip range shrinks with the token's policy lag: eps(lag) = eps·s(lag),
+    s = 1/(1+alpha·lag) ('inverse'), alpha^lag ('exp') or 1 ('constant'); tokens with
+    lag > max_lag are excluded from the numerator *and* the normaliser. The idea of trusting stale
+    samples less is the staleness-aware clipping of asynchronous RL systems (e.g. AReaL's
+    staleness control, Fu et al. 2025; M2PO's analysis, 2025); with no proximal policy and at
+    lag 0 this is exactly `ppo`."""
+    lag = x.lag.astype(jnp.float32)
+    if schedule == "inverse":
+        scale = 1.0 / (1.0 + alpha * lag)
+    elif schedule == "exp":
+        scale = jnp.power(jnp.float32(alpha), lag)
+    else:
+        scale = jnp.ones_like(lag)
+    weight = _behaviour_weight(x) if x.has_proximal else None
+    terms = _decoupled(x, *clip_range(eps_low, eps_high, scale), weight)
+    if max_lag is None:
+        return terms
+    excluded = x.lag > max_lag
+    return terms._replace(norm=jnp.where(excluded, 0.0, x.m), masked=excluded)
+
+
+def cispo(x: Prepared, eps_low: Optional[float], eps_high: float) -> Terms:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, never the gradient —
+    ℓ = -sg(clip(r, 1-eps_low, 1+eps_high))·A·log π_θ; eps_low None = no lower clip."""
+    r = ratio(sg(x.logp - x.logp_old))
+    lo = None if eps_low is None else 1.0 - eps_low
+    hi = 1.0 + eps_high
+    weight = jnp.clip(r, lo, hi)
+    clip_low = jnp.zeros_like(x.trained) if lo is None else r < lo
+    return Terms(ell=-weight * x.adv * x.logp, clip_low=clip_low, clip_high=r > hi)
+
+
+def gspo(x: Prepared, eps_low: float, eps_high: float) -> Terms:
+    """GSPO (Qwen team, Zheng et al. 2025): one length-normalised ratio per sequence,
+    s = exp(Σ_t m·(log π_θ - log π_old) / Σ_t m), row term -min(s·A, clip(s, 1-eps_low,
+    1+eps_high)·A) with A the advantage at the row's first trained token; the loss is the mean
+    over rows with any trained token."""
+    row_weight = jnp.sum(x.m, axis=1)
+    has = row_weight > 0
+    log_s = jnp.sum(x.m * (x.logp - x.logp_old), axis=1) / jnp.where(has, row_weight, 1.0)
+    s = ratio(log_s)
+    first = jnp.argmax(x.trained, axis=1)
+    adv = jnp.take_along_axis(x.adv, first[:, None], axis=1)[:, 0]
+    lo, hi = 1.0 - eps_low, 1.0 + eps_high
+    row_term = clipped_surrogate(s, adv, lo, hi)
+    loss = jnp.sum(jnp.where(has, row_term, 0.0)) / jnp.maximum(jnp.sum(has), 1)
+    shape = x.logp.shape
+    return Terms(loss=loss, clip_low=jnp.broadcast_to((s < lo)[:, None], shape),
+                 clip_high=jnp.broadcast_to((s > hi)[:, None], shape),
+                 metrics={"gspo_seq_ratio_mean": jnp.sum(jnp.where(has, sg(s), 0.0))
+                          / jnp.maximum(jnp.sum(has), 1)})
+
+
+def m2po_keep(d2: Array, trained: Array, tau: float) -> Array:
+    """Tokens M2PO keeps: if the mean of d² over the trained tokens exceeds tau, drop the fewest
+    largest d² until the mean of the rest is ≤ tau.
+
+    Sort-free (a sort of B·T values costs ~70 ms on a CPU core): the kept set is {d² ≤ θ*} plus
+    part of the ties at the next value. θ* is the largest θ with g(θ) = Σ_{d² ≤ θ}(d² - tau) ≤ 0;
+    g ≤ 0 below tau and only grows above it, so θ* is found by bisection between tau and max d²
+    over the int32 bit patterns of the non-negative float32 d² (they order like the floats): at
+    most 31 passes over one int32 array. Dropped tokens all have d² > tau. Of the c tokens tied
+    at the next value v, the first floor(-g(θ*)/(v - tau)) in row-major order are kept too.
+    Every pass is a fused masked sum over the batch, which suits XLA on CPU, GPU and TPU.
+    """
+    tau = jnp.float32(tau)
+    # Untrained tokens get the largest key: never at or below any threshold searched.
+    key = jnp.where(trained, lax.bitcast_convert_type(jnp.maximum(d2, 0.0), jnp.int32),
+                    jnp.iinfo(jnp.int32).max)
+
+    def g(theta):
+        return jnp.sum(jnp.where(key <= theta, lax.bitcast_convert_type(key, jnp.float32) - tau,
+                                 0.0))
+
+    def drop_some(_):
+        def step(bounds):
+            lo, hi = bounds
+            mid = lo + (hi - lo) // 2
+            ok = g(mid) <= 0
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+        # Invariant g(lo) <= 0 < g(hi): g(tau) <= 0, and g(max d²) > 0 in this branch.
+        top = jnp.max(jnp.where(trained, key, 0))
+        lo, _ = lax.while_loop(lambda b: b[1] - b[0] > 1, step,
+                               (lax.bitcast_convert_type(tau, jnp.int32), top))
+        keep = key <= lo
+        above = trained & ~keep
+        v = jnp.min(jnp.where(above, d2, jnp.inf))
+        tie = above & (d2 == v)
+        n_ties = jnp.floor(-g(lo) / (v - tau))
+        n_ties = jnp.clip(n_ties, 0, jnp.sum(tie)).astype(jnp.int32)
+
+        def keep_first_ties(_):
+            # The smallest row-major index I with n_ties tied tokens at or before it, again by
+            # bisection (a cumsum compiles ~5x slower on XLA:CPU and this branch is rare).
+            index = lax.broadcasted_iota(jnp.int32, tie.shape, 0) * tie.shape[1] \
+                + lax.broadcasted_iota(jnp.int32, tie.shape, 1)
+
+            def step(bounds):
+                lo, hi = bounds  # count(index <= lo) < n_ties <= count(index <= hi)
+                mid = lo + (hi - lo) // 2
+                enough = jnp.sum(tie & (index <= mid)) >= n_ties
+                return jnp.where(enough, lo, mid), jnp.where(enough, mid, hi)
+
+            _, cut = lax.while_loop(lambda b: b[1] - b[0] > 1, step, (jnp.int32(-1), index.size))
+            return keep | (tie & (index <= cut))
+
+        return lax.cond(n_ties > 0, keep_first_ties, lambda _: keep, None)
+
+    mean_exceeds = jnp.sum(jnp.where(trained, d2 - tau, 0.0)) > 0
+    return lax.cond(mean_exceeds, drop_some, lambda _: trained, None)
+
+
+def m2po(x: Prepared, tau: float) -> Terms:
+    """M2PO (second-moment trust policy optimisation, 2025): bound the second moment of the
+    log-ratio to the behaviour policy instead of clipping each ratio. With d = sg(log π_θ -
+    log μ), drop (mask) the fewest tokens of largest d² so that the mean d² of the kept tokens M
+    is ≤ tau; ℓ = -M·(π_θ/μ)·A."""
+    d = sg(x.logp - x.logp_mu)
+    keep = m2po_keep(d * d, x.trained, tau)
+    ell = -jnp.where(keep, ratio(x.logp - x.logp_mu), 0.0) * x.adv
+    n = jnp.maximum(jnp.sum(x.trained), 1)
+    return Terms(ell=ell, masked=~keep,
+                 metrics={"m2po_d2_mean": jnp.sum(jnp.where(x.trained, d * d, 0.0)) / n,
+                          "m2po_d2_mean_kept": jnp.sum(jnp.where(keep, d * d, 0.0))
+                          / jnp.maximum(jnp.sum(keep), 1)})

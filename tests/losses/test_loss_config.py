@@ -1,0 +1,162 @@
+"""The registry's validation and the `loss` config section, including real absl flag overrides
+through ml_collections.config_flags with a locked config."""
+import textwrap
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.losses import (LOSSES, advantage_config, get_loss, hparams_of, loss_config,
+                                   loss_from_config, validate_loss_config)
+
+
+def test_unknown_loss_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"^loss.name: unknown loss 'tiss'") as e:
+        get_loss("tiss")
+    assert e.value.key == "loss.name"
+    for name in LOSSES:
+        assert name in str(e.value)
+
+
+def test_unknown_hyperparameter_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"^loss.cap: is not a hyperparameter of loss 'ppo'") as e:
+        get_loss("ppo", cap=2.0)
+    assert "'dual_clip'" in str(e.value) and "'eps_high'" in str(e.value)
+    with pytest.raises(ConfigError, match="^loss.agg: is not a hyperparameter of loss 'gspo'"):
+        get_loss("gspo", agg="token_mean")
+
+
+@pytest.mark.parametrize("name,hparams,key", [
+    ("ppo", {"eps_low": 1.0}, "loss.eps_low"),
+    ("ppo", {"eps_high": -0.1}, "loss.eps_high"),
+    ("ppo", {"dual_clip": 1.0}, "loss.dual_clip"),
+    ("ppo", {"eps_low": True}, "loss.eps_low"),
+    ("ppo", {"eps_low": float("nan")}, "loss.eps_low"),
+    ("tis", {"cap": 0.0}, "loss.cap"),
+    ("tis", {"level": "row"}, "loss.level"),
+    ("tis", {"cap": None}, "loss.cap"),
+    ("decoupled_ppo", {"behave_cap": -1.0}, "loss.behave_cap"),
+    ("icepop", {"band_low": 1.5}, "loss.band_low"),
+    ("icepop", {"band_high": 0.9}, "loss.band_high"),
+    ("staleness_clip", {"schedule": "linear"}, "loss.schedule"),
+    ("staleness_clip", {"schedule": "exp", "alpha": 2.0}, "loss.alpha"),
+    ("staleness_clip", {"max_lag": 2.5}, "loss.max_lag"),
+    ("staleness_clip", {"max_lag": -1}, "loss.max_lag"),
+    ("cispo", {"eps_low": 1.2}, "loss.eps_low"),
+    ("m2po", {"tau": 0.0}, "loss.tau"),
+    ("reinforce", {"agg": "mean"}, "loss.agg"),
+    ("reinforce", {"agg": "constant"}, "loss.max_tokens"),
+    ("reinforce", {"max_tokens": 128}, "loss.max_tokens"),
+    ("reinforce", {"agg": "constant", "max_tokens": 0}, "loss.max_tokens"),
+    ("reinforce", {"kl_coef": -1.0}, "loss.kl_coef"),
+    ("reinforce", {"kl_estimator": "k4"}, "loss.kl_estimator"),
+])
+def test_invalid_values_fail_at_construction_naming_the_key(name, hparams, key):
+    with pytest.raises(ConfigError) as e:
+        get_loss(name, **hparams)
+    assert e.value.key == key and str(e.value).startswith(key + ": ")
+
+
+def test_defaults_are_the_spec():
+    assert get_loss("ppo").hparams == {"eps_low": 0.2, "eps_high": 0.2, "dual_clip": None,
+                                       "agg": "token_mean", "max_tokens": None,
+                                       "kl_coef": 0.0, "kl_estimator": "k3"}
+    assert get_loss("tis").hparams["cap"] == 2.0 and get_loss("tis").hparams["level"] == "token"
+    assert get_loss("cispo").hparams["eps_low"] is None
+    assert get_loss("cispo").hparams["eps_high"] == 5.0
+    assert get_loss("gspo").hparams == {"eps_low": 3e-4, "eps_high": 4e-4, "kl_coef": 0.0,
+                                        "kl_estimator": "k3"}
+    assert get_loss("m2po").hparams["tau"] == 0.04
+    staleness = get_loss("staleness_clip").hparams
+    assert (staleness["schedule"], staleness["alpha"], staleness["max_lag"]) == ("inverse", 0.5,
+                                                                                   None)
+    icepop = get_loss("icepop").hparams
+    assert (icepop["band_low"], icepop["band_high"]) == (0.5, 5.0)
+
+
+def test_config_section_builds_every_loss_with_its_defaults():
+    cfg = loss_config()
+    assert cfg.name == "reinforce" and cfg.kl_coef == 0.0 and cfg.kl_estimator == "k3"
+    for name in LOSSES:
+        for key in hparams_of(name):
+            assert key in cfg, key
+        cfg.name = name
+        assert loss_from_config(cfg).hparams == get_loss(name).hparams
+
+
+def test_config_hyperparameter_of_another_loss_fails_naming_it():
+    cfg = loss_config()
+    cfg.name, cfg.cap = "ppo", 2.0
+    with pytest.raises(ConfigError, match=r"^loss.cap: .*'eps_low'"):
+        loss_from_config(cfg)
+    with pytest.raises(ConfigError, match="^loss.cap"):
+        validate_loss_config(cfg)
+    cfg.name = "tis"
+    assert validate_loss_config(cfg)["cap"] == 2.0
+
+
+def test_a_plain_dict_section_rejects_typos():
+    with pytest.raises(ConfigError, match="^loss.capp: unknown key"):
+        validate_loss_config({"name": "tis", "capp": 2.0})
+    with pytest.raises(ConfigError, match="^loss.name"):
+        validate_loss_config({"cap": 2.0})
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "exp_config.py"
+    path.write_text(textwrap.dedent("""
+        import ml_collections
+        from pipelinerl_jax.losses import advantage_config, loss_config
+
+        def get_config():
+            config = ml_collections.ConfigDict()
+            config.loss = loss_config()
+            config.advantage = advantage_config()
+            return config
+    """))
+    return str(path)
+
+
+def _parse(config_file, *overrides):
+    """What `experiments/train.py --config=FILE --config.loss.cap=...` does (absl discovers the
+    override flags from argv; sys_argv stands in for the process's argv)."""
+    argv = ["train.py", f"--config={config_file}", *overrides]
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, flag_values=flag_values, lock_config=True,
+                                    sys_argv=argv)
+    flag_values(argv)
+    return flag_values.config
+
+
+def test_command_line_overrides_reach_the_loss(config_file):
+    cfg = _parse(config_file, "--config.loss.name=tis", "--config.loss.cap=2.5",
+                 "--config.loss.level=sequence", "--config.loss.agg=constant",
+                 "--config.loss.max_tokens=512", "--config.advantage.estimator=rloo",
+                 "--config.advantage.overlong=penalty", "--config.advantage.overlong_buffer=64")
+    assert isinstance(cfg.loss.cap, float) and isinstance(cfg.loss.max_tokens, int)
+    hp = loss_from_config(cfg.loss).hparams
+    assert (hp["cap"], hp["level"], hp["agg"], hp["max_tokens"]) == (2.5, "sequence", "constant",
+                                                                     512)
+    assert cfg.advantage.estimator == "rloo" and cfg.advantage.overlong_buffer == 64
+
+    cfg = _parse(config_file, "--config.loss.name=staleness_clip", "--config.loss.max_lag=4",
+                 "--config.loss.schedule=exp", "--config.loss.alpha=0.7")
+    hp = loss_from_config(cfg.loss).hparams
+    assert (hp["max_lag"], hp["schedule"], hp["alpha"], hp["eps_low"]) == (4, "exp", 0.7, 0.2)
+
+
+def test_command_line_mistakes_fail(config_file):
+    cfg = _parse(config_file, "--config.loss.name=ppo", "--config.loss.cap=2.0")
+    with pytest.raises(ConfigError, match="^loss.cap"):
+        loss_from_config(cfg.loss)
+    with pytest.raises(AttributeError, match='Did you mean "cap"'):  # locked: typos fail
+        _parse(config_file, "--config.loss.capp=2.0")
+    with pytest.raises(flags.IllegalFlagValueError):  # placeholders keep their type
+        _parse(config_file, "--config.loss.cap=two")
+
+
+def test_advantage_config_defaults():
+    cfg = advantage_config()
+    assert (cfg.estimator, cfg.drop_zero_variance, cfg.overlong) == ("grpo", False, "none")
