@@ -1,13 +1,18 @@
-"""Packing rollouts into fixed, bucketed `[B, T]` training arrays.
+"""Packing rollouts into fixed-shape training arrays: packed rows for the model, one row per
+sequence for the loss.
 
-One sequence per row (the `LossInputs` contract). A row holds `prompt + completion`; the
-logits at position i predict token i+1, so completion token j of a row with prompt length P
-is scored at position `P + j - 1`. Every per-token quantity (`logp_behaviour`, `lag`, ...) is
-placed at that position and `loss_mask` is 1 exactly there.
+RL batches have long-tailed lengths: padding every sequence to the longest one wastes most of
+the forward/backward (here 5-8x). So sequences are *packed* back to back into rows of a fixed
+length `pack_len` (first-fit decreasing), with `segment_ids` (0 = padding) that stop
+attention at sequence boundaries and `positions` that restart at 0 for each sequence, so the
+packed forward computes exactly what separate forwards would. The loss still sees the
+`LossInputs` contract — one sequence per row, `[N, C]` with C the completion length bound —
+through `gather_idx`: the flat index into the packed `[R, pack_len]` positions whose logits
+predict completion token j (`row * pack_len + offset + P - 1 + j` for a prompt of length P).
 
-T is the smallest bucket >= the longest row, so a run compiles one train step per bucket,
-never per batch. Rows are padded with `pad_id` (right padding: the causal mask keeps pad
-tokens from influencing real ones) and B is fixed by config.
+The batch is cut into `chunks` (minibatches x micro-batches) of equal sequence count, each
+packed on its own, all padded to the same number of rows R (a multiple of the mesh's batch
+split, rounded up to a power-of-two multiple so a run compiles only a handful of shapes).
 """
 from __future__ import annotations
 
@@ -18,64 +23,103 @@ import numpy as np
 
 from pipelinerl_jax.types import Rollout
 
-BATCH_KEYS = ("input_ids", "targets", "loss_mask", "logp_behaviour", "advantages", "lag",
-              "kv_lag")
+PACKED_KEYS = ("input_ids", "targets", "positions", "segment_ids")  # [chunks, R, pack_len]
+SEQ_KEYS = ("gather_idx", "loss_mask", "logp_behaviour", "advantages", "lag", "kv_lag")
 
 
-def length_buckets(max_len: int, min_bucket: int = 32) -> List[int]:
-    """Powers of two from `min_bucket`, capped by (and ending at) `max_len`."""
-    out, b = [], min_bucket
-    while b < max_len:
-        out.append(b)
+def row_bucket(rows: int, divisor: int) -> int:
+    """Smallest `divisor * 2^k` >= rows."""
+    b = divisor
+    while b < rows:
         b *= 2
-    out.append(max_len)
-    return out
+    return b
 
 
-def pick_bucket(length: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if length <= b:
-            return b
-    raise ValueError(f"sequence of length {length} exceeds the largest bucket {buckets[-1]}")
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> List[List[int]]:
+    """Bins (lists of item indices) of total length <= capacity."""
+    bins: List[List[int]] = []
+    free: List[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if n > capacity:
+            raise ValueError(f"sequence of {n} tokens does not fit a packed row of {capacity}")
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - n)
+    return bins
 
 
 @dataclasses.dataclass
 class PackedBatch:
-    arrays: Dict[str, np.ndarray]  # BATCH_KEYS -> [B, T]
-    num_rows: int  # real rows (the rest are all-masked padding rows)
-    num_tokens: int  # trained tokens
+    arrays: Dict[str, np.ndarray]
+    num_seqs: int  # real sequences (the rest are all-masked padding sequences)
+    num_tokens: int  # trained (completion) tokens
+    packed_tokens: int  # real tokens in the packed rows (prompt + completion)
 
     def __getitem__(self, key):
         return self.arrays[key]
 
+    @property
+    def fill(self) -> float:
+        """Fraction of the packed positions holding real tokens."""
+        return self.packed_tokens / self.arrays["input_ids"].size
 
-def pack(rollouts: Sequence[Rollout], learner_version: int, batch_size: int,
-         buckets: Sequence[int], pad_id: int = 0) -> PackedBatch:
-    """Packs rollouts into `[batch_size, T]` arrays; lags are measured at `learner_version`."""
-    if len(rollouts) > batch_size:
-        raise ValueError(f"{len(rollouts)} rollouts do not fit a batch of {batch_size}")
-    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
-    t = pick_bucket(max(lengths) if lengths else 1, buckets)
-    a = {
-        "input_ids": np.full((batch_size, t), pad_id, np.int32),
-        "targets": np.full((batch_size, t), pad_id, np.int32),
-        "loss_mask": np.zeros((batch_size, t), np.float32),
-        "logp_behaviour": np.zeros((batch_size, t), np.float32),
-        "advantages": np.zeros((batch_size, t), np.float32),
-        "lag": np.zeros((batch_size, t), np.int32),
-        "kv_lag": np.zeros((batch_size, t), np.int32),
-    }
-    tokens = 0
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        seq = np.concatenate([r.prompt_ids, r.completion_ids]).astype(np.int32)
-        a["input_ids"][i, :p + c] = seq
-        a["targets"][i, :p + c - 1] = seq[1:]
-        sl = slice(p - 1, p + c - 1)
-        a["loss_mask"][i, sl] = 1.0
-        a["logp_behaviour"][i, sl] = r.logp_behaviour
-        a["advantages"][i, sl] = r.advantage
-        a["lag"][i, sl] = learner_version - np.asarray(r.version)
-        a["kv_lag"][i, sl] = learner_version - np.asarray(r.kv_version)
-        tokens += c
-    return PackedBatch(a, len(rollouts), tokens)
+
+def pack(rollouts: Sequence[Rollout], learner_version: int, *, num_seqs: int, chunks: int,
+         pack_len: int, completion_len: int, row_divisor: int = 1,
+         pad_id: int = 0) -> PackedBatch:
+    """Packs rollouts; per-token lags are measured at `learner_version` (train time)."""
+    if len(rollouts) > num_seqs:
+        raise ValueError(f"{len(rollouts)} rollouts do not fit a batch of {num_seqs}")
+    if num_seqs % chunks:
+        raise ValueError(f"batch of {num_seqs} sequences does not split into {chunks} chunks")
+    per = num_seqs // chunks
+    parts = [list(rollouts[i * per:(i + 1) * per]) for i in range(chunks)]
+    layouts = []
+    for part in parts:
+        for r in part:
+            if len(r.completion_ids) > completion_len:
+                raise ValueError(f"completion of {len(r.completion_ids)} tokens exceeds "
+                                 f"completion_len={completion_len}")
+            if len(r.prompt_ids) < 1:
+                raise ValueError("a rollout has an empty prompt")
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in part]
+        layouts.append(first_fit_decreasing(lengths, pack_len))
+    rows = row_bucket(max([len(b) for b in layouts] + [1]), row_divisor)
+
+    a = {k: np.zeros((chunks, rows, pack_len), np.int32) for k in PACKED_KEYS}
+    a["input_ids"][:] = pad_id
+    a["targets"][:] = pad_id
+    shape = (chunks, per, completion_len)
+    a.update(gather_idx=np.zeros(shape, np.int32), loss_mask=np.zeros(shape, np.float32),
+             logp_behaviour=np.zeros(shape, np.float32), advantages=np.zeros(shape, np.float32),
+             lag=np.zeros(shape, np.int32), kv_lag=np.zeros(shape, np.int32))
+    tokens = packed = 0
+    for ch, (part, bins) in enumerate(zip(parts, layouts)):
+        for row, members in enumerate(bins):
+            offset = 0
+            for seg, i in enumerate(members, start=1):
+                r = part[i]
+                p, c = len(r.prompt_ids), len(r.completion_ids)
+                seq = np.concatenate([r.prompt_ids, r.completion_ids]).astype(np.int32)
+                span = slice(offset, offset + p + c)
+                a["input_ids"][ch, row, span] = seq
+                a["targets"][ch, row, offset:offset + p + c - 1] = seq[1:]
+                a["positions"][ch, row, span] = np.arange(p + c)
+                a["segment_ids"][ch, row, span] = seg
+                j = np.arange(c)
+                a["gather_idx"][ch, i, :c] = row * pack_len + offset + p - 1 + j
+                a["loss_mask"][ch, i, :c] = 1.0
+                a["logp_behaviour"][ch, i, :c] = r.logp_behaviour
+                a["advantages"][ch, i, :c] = r.advantage
+                a["lag"][ch, i, :c] = learner_version - np.asarray(r.version)
+                a["kv_lag"][ch, i, :c] = learner_version - np.asarray(r.kv_version)
+                offset += p + c
+                tokens += c
+                packed += p + c
+    return PackedBatch(a, len(rollouts), tokens, packed)

@@ -119,7 +119,7 @@ class Evaluator:
 
 
 def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dict:
-    from pipelinerl_jax.losses import loss_from_config
+    from pipelinerl_jax.losses import flatten_metrics, loss_from_config
     from pipelinerl_jax.models import from_pretrained
     from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
@@ -135,14 +135,16 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
                             param_dtype=cfg.model.param_dtype, mesh=mesh)
     graphdef = nnx.graphdef(model)
     optimizer, schedule = ts.make_optimizer(L.optimizer)
-    state = ts.init_state(model, optimizer)
+    state = ts.init_state(model, optimizer, mesh)
     step_fn = ts.make_train_step(
         graphdef, optimizer, loss_from_config(cfg.loss), mesh=mesh,
         state_sharding=ts.state_shardings(state), temperature=cfg.sampling.temperature or 1.0,
         minibatches=L.minibatches, micro_batches=L.micro_batches,
         use_proximal=uses_proximal(cfg), token_weighted=cfg.loss.agg == "token_mean")
-    rows = L.batch_groups * cfg.rollout.group_size
-    buckets = batching.length_buckets(cfg.engine.max_seq_len)
+    pack_kw = dict(num_seqs=L.batch_groups * cfg.rollout.group_size,
+                   chunks=L.minibatches * L.micro_batches, pack_len=cfg.engine.max_seq_len,
+                   completion_len=cfg.sampling.max_new_tokens,
+                   row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
 
     # ------------------------------------------------------------------ checkpoint restore
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=L.keep_checkpoints)
@@ -194,10 +196,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
             client.ack([batch.batch_id])
             continue
         rollouts = sorted(batch.rollouts, key=lambda r: _group_key(r.group_id))
-        packed = batching.pack(rollouts, version, rows, buckets, pad_id=tok.pad_id)
+        packed = batching.pack(rollouts, version, **pack_kw)
         t_step = time.time()
         state, metrics = step_fn(state, packed.arrays)
-        metrics = jax.device_get(metrics)
+        metrics = flatten_metrics(jax.device_get(metrics))
         step_s = time.time() - t_step
         skipped = int(metrics["skipped"])
         consecutive_skips = consecutive_skips + 1 if skipped else 0
@@ -215,7 +217,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
 
         record = {"version": version, "wall_time_s": time.time() - t0,
                   "learner/step_time_s": step_s, "learner/wait_time_s": wait_s,
-                  "learner/tokens": packed.num_tokens,
+                  "learner/tokens": packed.num_tokens, "learner/pack_fill": packed.fill,
                   "learner/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
                   "learner/lr": float(schedule(step - 1)), "learner/skipped_steps": skipped,
                   "weight_sync/time_s": sync_s, "queue/redelivered": int(batch.redelivered)}

@@ -53,11 +53,13 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     graphdef = nnx.graphdef(model)
     s = cfg.warm_start
     optimizer, schedule = ts.make_optimizer(s.optimizer)
-    state = ts.init_state(model, optimizer)
+    state = ts.init_state(model, optimizer, mesh)
     step_fn = ts.make_train_step(graphdef, optimizer, get_loss("reinforce"), mesh=mesh,
                                  state_sharding=ts.state_shardings(state),
                                  micro_batches=s.micro_batches)
-    buckets = batching.length_buckets(cfg.engine.max_seq_len)
+    pack_kw = dict(num_seqs=s.batch_size, chunks=s.micro_batches, pack_len=cfg.engine.max_seq_len,
+                   completion_len=cfg.sampling.max_new_tokens,
+                   row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
     demos = demo_rollouts(task, tok, cfg.seed)
     writer = MetricsWriter(workdir, "sft_metrics.jsonl")
     bar = None
@@ -68,7 +70,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     loss = float("nan")
     for step in range(s.steps):
         rows = [next(demos) for _ in range(s.batch_size)]
-        batch = batching.pack(rows, 0, s.batch_size, buckets, pad_id=tok.pad_id)
+        batch = batching.pack(rows, 0, **pack_kw)
         state, metrics = step_fn(state, batch.arrays)
         if step % s.log_every == 0 or step == s.steps - 1:
             loss = float(metrics["loss"])

@@ -15,6 +15,8 @@ Inside one step:
 
 Micro-batch gradients are weighted by their share of trained tokens for `token_mean`
 aggregation (exact), equally otherwise (exact for row-mean aggregations with equal rows).
+Sequences are packed (see `batching`): the model runs on dense packed rows and the loss
+sees one sequence per row through a gather, so padding costs almost nothing.
 """
 from __future__ import annotations
 
@@ -105,28 +107,33 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
                     token_weighted: bool = True, rules=sharding_lib.DEFAULT_RULES):
     """Returns the jitted `(state, batch) -> (state, metrics)` step.
 
-    `loss_fn(LossInputs) -> (loss, metrics)` from `pipelinerl_jax.losses`. `batch` is a dict of
-    `[B, T]` arrays (see `batching.BATCH_KEYS`); B must be divisible by
-    `minibatches * micro_batches` and each micro-batch by the mesh's batch split.
+    `loss_fn(LossInputs) -> (loss, metrics)` from `pipelinerl_jax.losses`. `batch` is
+    `batching.pack(..., chunks=minibatches * micro_batches)`'s arrays: packed rows
+    `[chunks, R, T]` for the model and per-sequence `[chunks, N/chunks, C]` for the loss.
+    One jit compilation per distinct R (row bucket).
     """
     from pipelinerl_jax.losses import LossInputs
 
     row_sharding = sharding_lib.batch_sharding(mesh, rules)
+    chunk_sharding = NamedSharding(mesh, jax.sharding.PartitionSpec(
+        None, *sharding_lib.logical_to_spec(("batch",), rules)))
 
-    def forward(params, ids):
-        return nnx.merge(graphdef, params)(ids)
-
-    def constrain(x):
-        return jax.lax.with_sharding_constraint(x, row_sharding)
+    def packed_logp(params, mb):
+        """Log-probs and entropies of the packed rows, gathered to `[N, C]` sequence rows."""
+        model = nnx.merge(graphdef, params)
+        ids = jax.lax.with_sharding_constraint(mb["input_ids"], row_sharding)
+        logits = model(ids, positions=mb["positions"], segment_ids=mb["segment_ids"])
+        logp, entropy = logp_and_entropy(logits, mb["targets"], temperature)
+        idx = mb["gather_idx"]
+        return jnp.take(logp.reshape(-1), idx), jnp.take(entropy.reshape(-1), idx)
 
     def micro_loss(params, mb):
-        logits = forward(params, mb["input_ids"])
-        logp, entropy = logp_and_entropy(logits, mb["targets"], temperature)
+        logp, entropy = packed_logp(params, mb)
         if not use_proximal:
             proximal = None
         elif "logp_proximal" in mb:
             proximal = mb["logp_proximal"]
-        else:
+        else:  # one update per batch: the proximal policy is the current one
             proximal = jax.lax.stop_gradient(logp)
         inputs = LossInputs(logp=logp, logp_behaviour=mb["logp_behaviour"],
                             logp_proximal=proximal, advantages=mb["advantages"],
@@ -136,18 +143,14 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def split(x, n):
-        return x.reshape((n, x.shape[0] // n) + x.shape[1:])
-
-    def minibatch_update(state: TrainState, mb):
-        micro = jax.tree.map(lambda x: split(x, micro_batches), mb)
+    def minibatch_update(state: TrainState, micro):
+        """One optimizer update from the micro-batches `micro` (leading dim M)."""
         tokens = jnp.sum(micro["loss_mask"], axis=(1, 2))
         weights = (tokens / jnp.maximum(jnp.sum(tokens), 1.0) if token_weighted
                    else jnp.full((micro_batches,), 1.0 / micro_batches))
 
         def body(acc, xs):
             one, w = xs
-            one = jax.tree.map(constrain, one)
             (loss, metrics), grads = grad_fn(state.params, one)
             acc_grads, acc_loss, acc_metrics = acc
             acc_grads = jax.tree.map(lambda a, g: a + w * g, acc_grads, grads)
@@ -173,18 +176,17 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
     def step(state: TrainState, batch: Dict[str, jax.Array]):
         batch = dict(batch)
-        if use_proximal and minibatches > 1:
-            logits = forward(jax.lax.stop_gradient(state.params), batch["input_ids"])
-            batch["logp_proximal"] = logp_and_entropy(logits, batch["targets"], temperature)[0]
-        mbs = jax.tree.map(lambda x: split(x, minibatches), batch)
-        state, metrics = jax.lax.scan(minibatch_update, state, mbs)
-        out = {k: jnp.mean(v) for k, v in metrics.items()}
+        if use_proximal and minibatches > 1:  # fixed once, before the first update (AReaL)
+            frozen = jax.lax.stop_gradient(state.params)
+            batch["logp_proximal"] = jax.lax.map(lambda mb: packed_logp(frozen, mb)[0], batch)
+        split = lambda x: x.reshape((minibatches, micro_batches) + x.shape[1:])  # noqa
+        state, metrics = jax.lax.scan(minibatch_update, state, jax.tree.map(split, batch))
+        out = {k: jnp.mean(v, axis=0) for k, v in metrics.items()}  # over minibatches
         out["skipped"] = jnp.sum(metrics["skipped"])
         return state, out
 
-    batch_sharding = {k: row_sharding for k in
-                      ("input_ids", "targets", "loss_mask", "logp_behaviour", "advantages",
-                       "lag", "kv_lag")}
+    from pipelinerl_jax.learner.batching import PACKED_KEYS, SEQ_KEYS
+    batch_sharding = {k: chunk_sharding for k in PACKED_KEYS + SEQ_KEYS}
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(step, in_shardings=(state_sharding, batch_sharding),
                    out_shardings=(state_sharding, replicated), donate_argnums=0)

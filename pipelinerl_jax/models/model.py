@@ -114,7 +114,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(x, cfg.rms_norm_eps, pd)
             self.k_norm = RMSNorm(x, cfg.rms_norm_eps, pd)
 
-    def __call__(self, x_btd, positions_bt, inv_freq, cache_kv=None):
+    def __call__(self, x_btd, positions_bt, inv_freq, cache_kv=None, segment_ids=None):
         cfg, dt = self.cfg, self.cfg.dtype
         x_btd = x_btd.astype(dt)
         q = jnp.einsum("btd,dhx->bthx", x_btd, self.q_proj[...].astype(dt))
@@ -146,7 +146,12 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, cfg.num_kv_heads, g, cfg.head_dim)
         scores = jnp.einsum("btkgx,bskx->bkgts", q, keys).astype(jnp.float32)
         scores = scores / math.sqrt(cfg.head_dim)
-        causal = key_pos[:, None, :] <= positions_bt[:, :, None]  # [b, t, s]
+        if segment_ids is None:
+            causal = key_pos[:, None, :] <= positions_bt[:, :, None]  # [b, t, s]
+        else:  # packed rows: causal by index, and only within the same sequence
+            idx = jnp.arange(t)
+            causal = (idx[None, None, :] <= idx[None, :, None]) & (
+                segment_ids[:, :, None] == segment_ids[:, None, :])
         scores = jnp.where(causal[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bskx->btkgx", probs, values)
@@ -191,8 +196,9 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, h_btd, positions_bt, inv_freq, cache_kv=None):
-        a, new_cache = self.attn(self.input_norm(h_btd), positions_bt, inv_freq, cache_kv)
+    def __call__(self, h_btd, positions_bt, inv_freq, cache_kv=None, segment_ids=None):
+        a, new_cache = self.attn(self.input_norm(h_btd), positions_bt, inv_freq, cache_kv,
+                                 segment_ids)
         h_btd = h_btd + a.astype(h_btd.dtype)
         h_btd = h_btd + self.mlp(self.post_attn_norm(h_btd)).astype(h_btd.dtype)
         return h_btd, new_cache
@@ -211,9 +217,16 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.param_dtype)
 
-    def hidden_states(self, input_ids, positions=None, cache: Optional[KVCache] = None):
-        """Final-norm hidden states `[B, T, D]` (and the updated cache when one is given)."""
+    def hidden_states(self, input_ids, positions=None, cache: Optional[KVCache] = None,
+                      segment_ids=None):
+        """Final-norm hidden states `[B, T, D]` (and the updated cache when one is given).
+
+        `segment_ids` `[B, T]` (no cache): several sequences packed in one row attend only
+        within their own segment; pass `positions` restarting at 0 for each.
+        """
         cfg = self.cfg
+        if segment_ids is not None and cache is not None:
+            raise ValueError("segment_ids (packed rows) cannot be combined with a KV cache")
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -222,7 +235,7 @@ class Decoder(nnx.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            h, c = layer(h, positions, inv_freq, layer_cache)
+            h, c = layer(h, positions, inv_freq, layer_cache, segment_ids)
             if c is not None:
                 new_k.append(c[0])
                 new_v.append(c[1])
@@ -237,8 +250,9 @@ class Decoder(nnx.Module):
             w_dv = self.lm_head[...].astype(dt)
         return (h_btd.astype(dt) @ w_dv).astype(jnp.float32)
 
-    def __call__(self, input_ids, positions=None, cache: Optional[KVCache] = None):
-        h, new_cache = self.hidden_states(input_ids, positions, cache)
+    def __call__(self, input_ids, positions=None, cache: Optional[KVCache] = None,
+                 segment_ids=None):
+        h, new_cache = self.hidden_states(input_ids, positions, cache, segment_ids)
         logits = self.logits_from_hidden(h)
         return logits if cache is None else (logits, new_cache)
 
