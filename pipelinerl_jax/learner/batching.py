@@ -12,7 +12,7 @@ predict completion token j (`row * pack_len + offset + P - 1 + j` for a prompt o
 
 The batch is cut into `chunks` (minibatches x micro-batches) of equal sequence count, each
 packed on its own, all padded to the same number of rows R (a multiple of the mesh's batch
-split, rounded up to a power-of-two multiple so a run compiles only a handful of shapes).
+split, rounded up in quarter-octave steps so a run compiles only a handful of shapes).
 """
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ SEQ_KEYS = ("gather_idx", "loss_mask", "logp_behaviour", "advantages", "lag", "k
 
 
 def row_bucket(rows: int, divisor: int) -> int:
-    """Smallest `divisor * 2^k` >= rows."""
-    b = divisor
-    while b < rows:
-        b *= 2
-    return b
+    """Smallest `divisor * m` >= rows with m in 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, ...
+    (quarter-octave steps: at most ~25% padding rows, a few compiled shapes per run)."""
+    m, step = 1, 1
+    while divisor * m < rows:
+        m += step
+        if m >= 8 * step:
+            step *= 2
+    return divisor * m
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> List[List[int]]:

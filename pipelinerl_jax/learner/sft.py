@@ -54,7 +54,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     s = cfg.warm_start
     optimizer, schedule = ts.make_optimizer(s.optimizer)
     state = ts.init_state(model, optimizer, mesh)
-    step_fn = ts.make_train_step(graphdef, optimizer, get_loss("reinforce"), mesh=mesh,
+    step_fn = ts.make_train_step(graphdef, optimizer, get_loss("reinforce", diagnostics=False), mesh=mesh,
                                  state_sharding=ts.state_shardings(state),
                                  micro_batches=s.micro_batches)
     pack_kw = dict(num_seqs=s.batch_size, chunks=s.micro_batches, pack_len=cfg.engine.max_seq_len,
