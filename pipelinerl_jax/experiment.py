@@ -42,6 +42,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = model_config()
     c.tokenizer = tokenizer_config()
     c.task = task_config()
+    c.sampler = ml_collections.ConfigDict(dict(
+        kind="jax",  # 'jax' (embedded JaxEngine) | 'sglang' (SGLang servers over HTTP)
+        weights_dir="",  # where versions are written for 'sglang'; "" = WORKDIR/weights
+        keep_weight_versions=3,
+    ))
     c.engine = engine_config()
     c.sampling = ml_collections.ConfigDict(dict(
         max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=0))
@@ -120,6 +125,11 @@ def validate(cfg) -> None:
     tok = get_tokenizer(cfg.tokenizer)
     task = get_task(cfg.task)
     validate_engine_config(cfg.engine, "engine")
+    from pipelinerl_jax.rollout.factory import SAMPLER_KINDS
+    if cfg.sampler.kind not in SAMPLER_KINDS:
+        raise ConfigError("sampler.kind", f"must be one of {SAMPLER_KINDS}, "
+                                          f"got {cfg.sampler.kind!r}")
+    _int(cfg, "sampler.keep_weight_versions", 1)
     validate_loss_config(cfg.loss)
     validate_advantage_config(cfg.rollout.advantage, cfg.sampling.max_new_tokens)
     validate_transport_config(cfg.transport, "transport")

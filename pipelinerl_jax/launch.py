@@ -356,17 +356,15 @@ def _sft_evaluator(cfg):
 
 
 def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.Event) -> int:
-    from pipelinerl_jax.models import from_pretrained
-    from pipelinerl_jax.rollout.jax_engine import JaxEngine
+    from pipelinerl_jax.rollout.factory import make_engine
     from pipelinerl_jax.rollout.worker import RolloutWorker
     from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
     from pipelinerl_jax.transport import (RolloutQueueClient, WeightSubscriber, client_kwargs,
                                           queue_address, subscriber_kwargs, weights_address)
     tok, task = get_tokenizer(cfg.tokenizer), get_task(cfg.task)
-    model = from_pretrained(init_ckpt, dtype=cfg.engine.dtype)
     # Version -1 until the learner's current weights arrive: nothing is sampled before.
-    engine = JaxEngine(model, cfg.engine, version=-1, engine_id=f"jax-{index}", start=True)
+    engine = make_engine(cfg, init_ckpt, index, workdir)
     client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
     client.wait_ready(60.0)
     worker = RolloutWorker(cfg, engine, task, tok, client, worker_index=index, workdir=workdir)

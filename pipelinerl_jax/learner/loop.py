@@ -120,7 +120,9 @@ class Evaluator:
 
 def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dict:
     from pipelinerl_jax.losses import flatten_metrics, loss_from_config
-    from pipelinerl_jax.models import from_pretrained
+    from pipelinerl_jax.models import from_pretrained, save_pretrained
+    from pipelinerl_jax.rollout.factory import weights_dir
+    from pipelinerl_jax.transport.versioned_dir import gc_versions, write_versioned_dir
     from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
     from pipelinerl_jax.transport import (RolloutQueueClient, WeightPublisher, client_kwargs,
@@ -160,9 +162,24 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
     client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
     client.wait_ready(60.0)
     publisher = WeightPublisher(weights_address(cfg.transport), **publisher_kwargs(cfg.transport))
-    params_flat = flat_host_params(state.params)
-    client.set_version(version)  # announce before publishing: rollouts may then carry it
-    publisher.publish(version, params_flat)
+
+    def publish(version: int):
+        """Announce `version` to the queue, then ship it (this order: rollouts sampled with
+        it may reach the queue the moment an engine has it)."""
+        flat = flat_host_params(state.params)
+        client.set_version(version)
+        if cfg.sampler.kind == "sglang":  # HF directory on disk + a notification
+            root = weights_dir(cfg, workdir)
+            nnx.update(model, jax.device_get(state.params))
+            write_versioned_dir(root, version, lambda d: save_pretrained(model, d),
+                                overwrite=True)
+            gc_versions(root, cfg.sampler.keep_weight_versions)
+            publisher.publish(version, {})
+        else:
+            publisher.publish(version, flat)
+        return flat
+
+    params_flat = publish(version)
 
     evaluator = Evaluator(cfg, model, task, tok) if L.eval_every > 0 else None
     writer = MetricsWriter(workdir)
@@ -210,9 +227,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         trained_set.add(batch.batch_id)
         unacked.append(batch.batch_id)
         t_sync = time.time()
-        params_flat = flat_host_params(state.params)
-        client.set_version(version)
-        publisher.publish(version, params_flat)
+        params_flat = publish(version)
         sync_s = time.time() - t_sync
 
         record = {"version": version, "wall_time_s": time.time() - t0,

@@ -127,10 +127,19 @@ class RolloutWorker:
     # ------------------------------------------------------------------ weights
 
     def on_weights(self, version: int, params) -> None:
-        """Weight-subscriber callback (subscriber thread)."""
+        """Weight-subscriber callback (subscriber thread).
+
+        An empty `params` is a notification that version `version` was written as an HF
+        checkpoint directory (`sampler.kind='sglang'`); the engine loads it from there.
+        """
+        if not params:
+            from pipelinerl_jax.rollout.factory import weights_dir
+            from pipelinerl_jax.transport.versioned_dir import version_dir
+            params = version_dir(weights_dir(self.cfg, self.workdir or "."), version)
         if self.cfg.lag_injection.enabled:
             keep = self.cfg.lag_injection.max_k + 1
-            self._snapshots[version] = {k: np.array(v) for k, v in params.items()}
+            self._snapshots[version] = (params if isinstance(params, str) else
+                                        {k: np.array(v) for k, v in params.items()})
             for old in [v for v in self._snapshots if v <= version - keep]:
                 del self._snapshots[old]
             return
