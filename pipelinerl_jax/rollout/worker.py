@@ -188,7 +188,7 @@ class RolloutWorker:
                 engine_id=c.engine_id, submit_time=c.submit_time, start_time=c.start_time,
                 finish_time=c.finish_time,
                 metrics={"correct": float(r.correct),
-                         "engine_occupancy": float(engine_stats.get("slot_occupancy", 0.0)),
+                         "engine_occupancy": engine_stats.get("time_occupancy", 0.0),
                          "engine_tokens_per_s": float(engine_stats.get("tokens_per_s", 0.0))}))
         try:
             self.client.put_group(rollouts)
@@ -215,13 +215,19 @@ class RolloutWorker:
         now = time.time()
         if now - self._engine_stats_time < every_s:
             return
-        self._engine_stats = self.engine.stats()
+        s = self.engine.stats()
+        # Time-averaged fraction of slots holding a sample (idle time counts as empty).
+        s["time_occupancy"] = float(s.get("slot_occupancy", 0.0) * s.get("busy_fraction", 0.0))
+        self._engine_stats = s
         self._engine_stats_time = now
         if self.workdir:
-            s = self._engine_stats
             append_jsonl(os.path.join(self.workdir, "engine_stats.jsonl"), [{
                 "time_s": now, "engine_id": s["engine_id"], "version": s["version"],
-                "occupancy": s["slot_occupancy"], "active_slots": s["active_slots"],
+                "occupancy": s["time_occupancy"], "decode_occupancy": s["slot_occupancy"],
+                # window means: slots active while decoding, and seconds per decode step
+                "active_slots": s["slot_occupancy"] * s["num_slots"],
+                "decode_step_time_s": (s["busy_fraction"] * s["window_s"]
+                                       / max(s["window_decode_steps"], 1)),
                 "num_slots": s["num_slots"], "tokens_per_s": s["tokens_per_s"],
                 "busy_fraction": s["busy_fraction"], "queued_samples": s["queued_samples"],
                 "decode_steps": s["window_decode_steps"]}])
