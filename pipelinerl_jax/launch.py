@@ -123,9 +123,10 @@ def _follow_sft(child: Child, ws_dir: str) -> None:
                 cfg_steps = json.load(open(os.path.join(child.workdir, "config.json")))[
                     "warm_start"]["steps"]
                 bar = tqdm(total=cfg_steps, desc="warm start", unit="step", dynamic_ncols=True)
-            bar.n = rows[-1]["step"] + 1
-            bar.set_postfix(loss=f"{rows[-1]['sft/loss']:.3f}")
-            bar.refresh()
+            if bar.n != rows[-1]["step"] + 1:
+                bar.n = rows[-1]["step"] + 1
+                bar.set_postfix(loss=f"{rows[-1]['sft/loss']:.3f}")
+                bar.refresh()
     if bar is not None:
         bar.n = cfg_steps
         bar.close()
