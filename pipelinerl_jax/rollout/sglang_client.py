@@ -91,8 +91,8 @@ class ServerClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._open: set = set()  # every thread's connection, so close() can reach them
         self.retries = 0  # retried attempts (503s, connection errors, timeouts)
-        self._closed = False
 
     # ------------------------------------------------------------------ connections
 
@@ -105,6 +105,8 @@ class ServerClient:
             conn.connect()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.conn = conn
+            with self._lock:
+                self._open.add(conn)
         conn.sock.settimeout(timeout)  # None = block until the (long) generation answers
         return conn, fresh
 
@@ -112,6 +114,20 @@ class ServerClient:
         conn = getattr(self._local, "conn", None)
         self._local.conn = None
         if conn is not None:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        """Shuts every open connection: threads blocked on an answer get an error now."""
+        with self._lock:
+            conns, self._open = list(self._open), set()
+        for conn in conns:
+            try:
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             conn.close()
 
     def _once(self, method: str, path: str, payload: Optional[bytes],

@@ -152,6 +152,7 @@ class _Server:
         self.jobs: set = set()
         self.version: Optional[int] = None  # last version installed here
         self.refits, self.refit_s_total, self.last_refit_s = 0, 0.0, None
+        self.refit_error: Optional[str] = None  # the last failed load, until one succeeds
         self.counts: collections.Counter = collections.Counter()
 
 
@@ -246,7 +247,6 @@ class SGLangEngine(InferenceEngine):
         self._live: Dict[str, List[_Sample]] = {}  # request id -> its unfinished samples
         self._aborted: set = set()
         self._paused = self._closed = False
-        self._error: Optional[str] = None
         self._job_seq = 0
         self._counters: collections.Counter = collections.Counter()
         self._window: collections.Counter = collections.Counter()
@@ -372,9 +372,8 @@ class SGLangEngine(InferenceEngine):
             self._enqueue(_Job(samples, self._name(request.request_id)))
 
     def _check_open(self) -> None:
-        if self._closed or self._error:
-            raise EngineClosedError(f"engine {self.engine_id} is closed "
-                                    f"({self._error or 'close() was called'})")
+        if self._closed:
+            raise EngineClosedError(f"engine {self.engine_id} is closed")
 
     def _name(self, rid: str) -> str:
         self._job_seq += 1
@@ -390,7 +389,7 @@ class SGLangEngine(InferenceEngine):
         with self._cv:
             while not self._outbox and not self._failures:
                 left = None if deadline is None else deadline - time.monotonic()
-                if (left is not None and left <= 0) or self._closed or self._error:
+                if (left is not None and left <= 0) or self._closed:
                     break
                 self._cv.wait(left)
             if self._failures:
@@ -422,9 +421,8 @@ class SGLangEngine(InferenceEngine):
                     got[(c.request_id, c.sample_index)] = c
                 if len(got) >= total:
                     break
-                if self._closed or self._error:
-                    raise EngineClosedError(f"engine stopped during generate: "
-                                            f"{self._error or 'closed'}")
+                if self._closed:
+                    raise EngineClosedError("engine closed during generate")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"generate: {total - len(got)} samples unfinished after "
@@ -541,16 +539,29 @@ class SGLangEngine(InferenceEngine):
             segments = [self._parse(item, job) for item in items]
         except ServerUnavailable as e:
             self._release(job)
-            if not self._stop.is_set():
-                self._mark_down(s, str(e))
-                self._reroute(job, str(e))
+            if self._stop.is_set():  # closing: close() returns the samples as 'abort'
+                with self._cv:
+                    for smp in job.samples:
+                        self._finish(smp, "abort")
+                return
+            self._mark_down(s, str(e))
+            self._abort_on_server(job)  # in case it is only slow: do not leave the work there
+            self._reroute(job, str(e))
             return
         except HTTPError as e:
-            error = (f"server {s.url} rejected it (HTTP {e.status}): {e.message}"
-                     if 400 <= e.status < 500 else
-                     f"server {s.url} failed it (HTTP {e.status}): {e.message}")
+            if e.status >= 500:  # the server's fault: another server may serve it
+                self._release(job)
+                with self._cv:
+                    s.counts["errors"] += 1
+                log.warning("%s; sending %s elsewhere", e, job.name)
+                self._reroute(job, str(e))
+                return
+            error = f"server {s.url} rejected it (HTTP {e.status}): {e.message}"
         except (_ProtocolError, KeyError, TypeError, ValueError) as e:
             error = f"malformed answer from {s.url}: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - never lose a request to a client bug
+            log.exception("request %s failed in the client", job.name)
+            error = f"client error: {type(e).__name__}: {e}"
         self._release(job)
         with self._cv:
             s.counts["requests"] += 1
@@ -575,6 +586,8 @@ class SGLangEngine(InferenceEngine):
             job.reroutes += 1
             self._counters["rerouted_requests"] += 1
             if job.reroutes > max(self.config.max_retries, len(self._servers)):
+                log.error("giving up on %s after %d servers failed it (last: %s); its samples "
+                          "return with finish reason 'abort'", job.name, job.reroutes, why)
                 for smp in live:
                     self._counters["failed_samples"] += 1
                     self._finish(smp, "abort")
@@ -588,6 +601,7 @@ class SGLangEngine(InferenceEngine):
         for smp in job.samples:
             smp.done = True
         self._live.pop(rid, None)
+        self._aborted.discard(rid)
         self._cv.notify_all()
 
     # ------------------------------------------------------------------ answers
@@ -724,7 +738,7 @@ class SGLangEngine(InferenceEngine):
                                        f"{timeout}s (engine at {self._version})")
                 self._cv.wait(left)
             if seq in self._refit_error:
-                raise RuntimeError(self._refit_error[seq])
+                raise RuntimeError(self._refit_error.pop(seq))
             if self._refit_done < seq:
                 raise EngineClosedError(f"engine closed before version {version} went live")
 
@@ -738,11 +752,8 @@ class SGLangEngine(InferenceEngine):
 
     def _weights_path(self, weights: Any, version: int) -> str:
         if isinstance(weights, (str, os.PathLike)):
-            path = os.path.abspath(os.fspath(weights))
-            if not os.path.isfile(os.path.join(path, "config.json")):
-                raise ValueError(f"update_weights: {path} is not an HF checkpoint directory "
-                                 "(no config.json)")
-            return path
+            # Read by the servers, on their hosts: a shared file system, same path everywhere.
+            return os.path.abspath(os.fspath(weights))
         if not self.weights_dir or self.model_config is None:
             raise ValueError("update_weights: arrays need SGLangEngine(weights_dir=..., "
                              "model_config=...) to be written as an HF directory; pass a "
@@ -765,11 +776,15 @@ class SGLangEngine(InferenceEngine):
                 if ok:
                     self._version, self._path = version, path
                     self._counters["refits"] += 1
+                elif self._refit_target is not None and not os.path.isdir(path):
+                    # The learner garbage-collected it under a newer version: apply that one.
+                    self._counters["refits_superseded"] += 1
                 else:
                     msgs = "; ".join(f"{s.url}: {m}" for s, (_, m) in zip(servers, results))
                     self._refit_error[seq] = (f"update_weights: version {version} could not be "
                                               f"installed on any server ({msgs or 'none up'})")
-                    self._error = self._refit_error[seq]
+                    self._counters["refit_failures"] += 1
+                    log.error(self._refit_error[seq])
                 self._refit_done = seq
                 self._cv.notify_all()
 
@@ -808,8 +823,12 @@ class SGLangEngine(InferenceEngine):
                 if not keep_paused:
                     s.client.post("/continue_generation", {}, timeout=timeout)
         except HTTPError as e:
+            # SGLang keeps serving its previous weights after a failed load: the server stays
+            # in routing (its tokens carry their true version) and the failure is reported.
             msg = f"refit to version {version} failed: {e.message}"
-            self._mark_down(s, msg)
+            log.warning("SGLang server %s: %s", s.url, msg)
+            with self._cv:
+                s.refit_error = msg
             return False, msg
         except ServerUnavailable as e:
             self._mark_down(s, str(e))
@@ -820,6 +839,7 @@ class SGLangEngine(InferenceEngine):
             s.refits += 1
             s.refit_s_total += dt
             s.last_refit_s = dt
+            s.refit_error = None
         return True, ""
 
     # ------------------------------------------------------------------ control
@@ -850,11 +870,13 @@ class SGLangEngine(InferenceEngine):
         with self._cv:
             up = [s.url for s in self._servers if s.up]
             down = {s.url: s.reason for s in self._servers if not s.up}
-            error = self._error or (None if up else f"no SGLang server in routing: {down}")
+            error = None if up else f"no SGLang server in routing: {down}"
             return {"ok": error is None and not self._closed, "version": self._version,
                     "running": not self._closed, "paused": self._paused,
                     "closed": self._closed, "error": error, "engine_id": self.engine_id,
-                    "servers_up": up, "servers_down": down}
+                    "servers_up": up, "servers_down": down,
+                    "refit_errors": {s.url: s.refit_error for s in self._servers
+                                     if s.refit_error}}
 
     def stats(self) -> Dict[str, Any]:
         with self._cv:
@@ -866,6 +888,7 @@ class SGLangEngine(InferenceEngine):
             servers = [{
                 "url": s.url, "up": s.up, "reason": s.reason, "in_flight": s.in_flight,
                 "version": s.version, "refits": s.refits, "last_refit_s": s.last_refit_s,
+                "refit_error": s.refit_error,
                 "mean_refit_s": s.refit_s_total / s.refits if s.refits else None,
                 "requests": s.counts["requests"], "errors": s.counts["errors"],
                 "tokens": s.counts["tokens"], "removed": s.counts["removed"],
@@ -885,6 +908,8 @@ class SGLangEngine(InferenceEngine):
                 # totals
                 "generated_tokens": c["tokens"], "completed_samples": c["completed_samples"],
                 "refits": c["refits"], "last_refit_s": max(refit_times) if refit_times else None,
+                "refit_failures": c["refit_failures"],
+                "refits_superseded": c["refits_superseded"],
                 "retries": sum(s.client.retries for s in self._servers),
                 "rerouted_requests": c["rerouted_requests"],
                 "request_errors": c["request_errors"],
@@ -914,15 +939,17 @@ class SGLangEngine(InferenceEngine):
             for j in queued:
                 for smp in j.samples:
                     self._finish(smp, "abort")
-        for j in running:  # unfinished samples come back with finish reason 'abort'
+        for j in running:  # the servers answer them (finish reason 'abort', partial tokens)
             self._abort_on_server(j)
         with self._cv:
-            deadline = time.monotonic() + 5.0
+            deadline = time.monotonic() + min(5.0, self.config.control_timeout_s)
             while any(s.jobs for s in self._servers) and time.monotonic() < deadline:
                 self._cv.wait(0.1)
             for j in [j for s in self._servers for j in s.jobs]:
                 for smp in j.samples:
                     self._finish(smp, "abort")
+        for s in self._servers:  # unblocks threads still waiting on an unresponsive server
+            s.client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

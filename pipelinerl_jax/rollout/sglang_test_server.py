@@ -69,6 +69,7 @@ import http.server
 import json
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -96,6 +97,7 @@ class ServerState:
     def __init__(self, args):
         self.args = args
         self.lock = threading.Condition()
+        self.step_gate = threading.Lock()
         self.switches = dict(DEFAULT_SWITCHES, startup_503_s=args.startup_503_s,
                              fail_every=args.fail_every, fail_status=args.fail_status,
                              abort_every=args.abort_every,
@@ -140,10 +142,14 @@ class ServerState:
         """Drives the JaxEngine (the server owns its loop, so that a test can switch it off
         with auto_step=false and step by hand: POST /_test/step {"steps": k})."""
         while True:
-            with self.lock:
-                while not self.switches["auto_step"]:
-                    self.lock.wait()
-            if self.engine.step() == 0:
+            with self.step_gate:  # switching auto_step off waits for the step in progress
+                with self.lock:
+                    auto = self.switches["auto_step"]
+                produced = self.engine.step() if auto else None
+            if produced is None:
+                with self.lock:
+                    self.lock.wait_for(lambda: self.switches["auto_step"])
+            elif produced == 0:
                 time.sleep(0.005)  # idle or paused
 
     def _route(self) -> None:
@@ -462,6 +468,12 @@ def make_handler(state: ServerState):
         def log_message(self, *args):  # quiet: tests read stdout for the port line
             pass
 
+        def setup(self):
+            super().setup()
+            # Headers and body leave in two writes: without this, Nagle + delayed ACK add
+            # ~40 ms to every answer on a kept-alive connection.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def _send(self, status: int, body: Any = None) -> None:
             raw = b"" if body is None else json.dumps(body).encode()
             self.send_response(status)
@@ -523,10 +535,10 @@ def make_handler(state: ServerState):
                             "paused": s.paused, "pause_mode": s.pause_mode, "live":
                             len(s.live), "weight_version": s.labels[s.internal_version]}
             if path == "/_test/config":
-                with s.lock:
-                    unknown = set(body) - set(DEFAULT_SWITCHES)
-                    if unknown:
-                        raise BadRequest(f"unknown switches {sorted(unknown)}")
+                unknown = set(body) - set(DEFAULT_SWITCHES)
+                if unknown:
+                    raise BadRequest(f"unknown switches {sorted(unknown)}")
+                with s.step_gate, s.lock:
                     s.switches.update(body)
                     s.lock.notify_all()
                     return dict(s.switches)

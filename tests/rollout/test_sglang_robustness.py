@@ -104,3 +104,35 @@ def test_dead_server_is_removed_and_readmitted_after_a_refit(procs, tmp_path):
         assert back.stats()["counts"]["update_weights"] == 1
         eng.generate([request(f"again{i}", [5], max_new_tokens=2) for i in range(6)])
         assert back.record(), "the re-admitted server serves requests again"
+
+
+def test_failed_refit_is_reported_and_the_server_keeps_serving(procs, tmp_path):
+    procs.append(stub())
+    with SGLangEngine([procs[0].url], FAST, vocab_size=64, max_seq_len=64, version=0) as eng:
+        with pytest.raises(RuntimeError, match=r"version 1 could not be installed.*Failed to "
+                                               r"update weights"):
+            eng.update_weights(str(tmp_path / "missing"), 1)
+        assert eng.version == 0
+        health = eng.health()
+        assert health["ok"] and procs[0].url in health["refit_errors"]
+        assert procs[0].stats()["paused"] is False  # continued after the failed load
+        [c] = eng.generate([request("r", [1], max_new_tokens=3)])
+        assert (c.version == -1).all()  # the stub's launch label 'default'
+        with pytest.raises(ValueError, match="version 1 is not newer"):
+            eng.update_weights(str(tmp_path), 1)  # 1 was accepted once: never again
+
+
+def test_close_returns_unanswered_samples_as_aborted(procs):
+    procs.append(stub("--delay-s", "30"))
+    eng = SGLangEngine([procs[0].url], dict(FAST, control_timeout_s=0.5), vocab_size=64,
+                       max_seq_len=64)
+    eng.submit(request("slow", [1], max_new_tokens=3, n=2))
+    eng.submit(request("queued", [1], max_new_tokens=3))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 5.0
+    out = eng.get_completions()
+    assert sorted((c.request_id, c.finish_reason) for c in out) == [
+        ("queued", "abort"), ("slow", "abort"), ("slow", "abort")]
+    assert eng.health()["closed"] and not eng.health()["ok"]
