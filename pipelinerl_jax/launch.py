@@ -155,13 +155,15 @@ class Monitor:
             chunk = f.read()
         lines = chunk.split("\n")
         self._pos += len(chunk) - len(lines[-1])
+        changed = False
         for line in lines[:-1]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
             self.last.update({k: v for k, v in row.items() if not isinstance(v, list)})
-        if self.last:
+            changed = True
+        if changed:
             self.bar.n = self.last.get("step", 0)
             post = {}
             for key, short in (("reward/mean", "reward"), ("eval/accuracy", "eval_acc"),

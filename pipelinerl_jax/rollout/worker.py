@@ -7,13 +7,16 @@ subscriber installs every new policy version in the engine while it samples (in-
 updates).
 
 Admission control (PipelineRL style) — generate nothing the learner would have to drop.
-With B groups per learner step, W workers, `done` groups consumed or dropped so far (queue
-stats) and `out` groups this worker has started but not yet seen consumed, a new group lands
-(FIFO) in learner batch about `k = done // B + (W·out) // B`; it may start only while
-`k - engine_version <= max_lag`. With `max_lag = 0` this *is* the synchronous baseline: a
-worker samples exactly its share of batch v with weights v, then waits for v+1. Groups the
-advantage estimator filters out (zero variance) free their place for a replacement. The
-queue's staleness policy remains the hard guarantee when timing is adversarial.
+Each worker owns `share` = B/W groups of every learner batch. A new group is assigned to the
+earliest batch k >= L (the learner's current version, from the queue) whose share is not yet
+full, and may start only while `k - engine_version <= max_lag`: it will be trained at
+version ~k, so none of its tokens is staler than max_lag. Batches below L are forgotten
+(consumed). With `max_lag = 0` this *is* the synchronous baseline: a worker samples exactly
+its share of batch v with weights v, then waits for v+1. Groups the advantage estimator
+filters out (zero variance) free their place for a replacement. The state is only "what I
+started for which batch", so a restarted worker or queue needs no history. The queue's
+staleness policy remains the hard guarantee when timing is adversarial (a straggler that
+completes after later groups).
 
 Lag injection (ablations at exact staleness): in lock-step, batch L is sampled with the
 weights of version `L - k_L` (k_L fixed or drawn from a seeded distribution), kept from a
@@ -77,10 +80,11 @@ class RolloutWorker:
         self._engine_stats: dict = {}
         self._engine_stats_time = time.time()
         self.counts = collections.Counter()
-        self._done_base: Optional[int] = None
+        self._slots: Dict[int, int] = {}  # learner batch -> groups of ours started for it
+        self._next_slot = 0
         # lag injection: recent versions' weights, and which learner step we are feeding
-        self._snapshots: Dict[int, dict] = {}
-        self._injected_for, self._injected_started = -1, 0
+        self._snapshots: Dict[int, object] = {}
+        self._injected_for, self._step_seq = -1, 0
 
     # ------------------------------------------------------------------ admission
 
@@ -90,26 +94,33 @@ class RolloutWorker:
             self._stats_time = time.time()
         return self._stats
 
-    def _done_groups(self, st) -> int:
-        return int(st["groups_delivered"]) + int(sum(st["dropped_groups"].values()))
+    @property
+    def share(self) -> int:
+        """This worker's groups per learner batch (workers split a batch evenly)."""
+        return self.batch_groups // self.num_workers + (
+            1 if self.index < self.batch_groups % self.num_workers else 0)
 
     def can_admit(self) -> bool:
+        """Whether one more group may start now (module docstring: admission control)."""
         if self.engine.version < 0 and not self.cfg.lag_injection.enabled:
             return False  # the learner's weights have not arrived yet
-        st = self._queue_stats()
-        done = self._done_groups(st)
-        if self._done_base is None:  # a (re)started worker owns nothing consumed before it
-            self._done_base = done
+        learner = int(self._queue_stats()["learner_version"])
+        if learner < 0:
+            return False  # no learner has announced itself to the queue yet
         if self.cfg.lag_injection.enabled:
-            return self._can_admit_injected(done)
-        # Groups of ours started but not yet consumed, workers sharing consumption evenly.
-        outstanding = self.counts["started"] - (done - self._done_base) // self.num_workers
-        k = done // self.batch_groups + (self.num_workers * outstanding) // self.batch_groups
-        return k - self.engine.version <= self.max_lag
+            return self._can_admit_injected(learner)
+        for k in [k for k in self._slots if k < learner]:
+            del self._slots[k]  # batches the learner has consumed
+        k = learner
+        while self._slots.get(k, 0) >= self.share:
+            k += 1
+        if k - self.engine.version > self.max_lag:
+            return False
+        self._next_slot = k
+        return True
 
-    def _can_admit_injected(self, done: int) -> bool:
-        """Lock-step: this worker's share of batch L, sampled with version L - k_L."""
-        step = done // self.batch_groups  # the learner step being fed
+    def _can_admit_injected(self, step: int) -> bool:
+        """Lock-step: this worker's share of batch `step`, sampled with version step - k."""
         if self._injected_for != step:
             if self._inflight:
                 return False  # the previous step's groups finish first
@@ -119,10 +130,16 @@ class RolloutWorker:
                 return False  # that version has not arrived yet
             if self.engine.version != want:
                 self.engine.update_weights(params, want, allow_older=True)
-            self._injected_for, self._injected_started = step, 0
-        share = self.batch_groups // self.num_workers + (
-            1 if self.index < self.batch_groups % self.num_workers else 0)
-        return self._injected_started < share
+            self._injected_for, self._step_seq = step, 0
+            self._slots = {step: 0}
+            self.problems = self.task.problems(seed=self._problem_seed(step))
+        self._next_slot = step
+        return self._slots.get(step, 0) < self.share
+
+    def _problem_seed(self, step: int) -> int:
+        # Injection runs draw each step's prompts from their own stream so that a restarted
+        # run (same workdir) sees exactly the prompts an uninterrupted run would.
+        return (self.cfg.seed * 1_000_003 + step) * 1009 + self.index
 
     # ------------------------------------------------------------------ weights
 
@@ -132,6 +149,9 @@ class RolloutWorker:
         An empty `params` is a notification that version `version` was written as an HF
         checkpoint directory (`sampler.kind='sglang'`); the engine loads it from there.
         """
+        if self.workdir:
+            append_jsonl(os.path.join(self.workdir, f"weights_received.w{self.index}.jsonl"),
+                         [{"time_s": time.time(), "version": int(version)}])
         if not params:
             from pipelinerl_jax.rollout.factory import weights_dir
             from pipelinerl_jax.transport.versioned_dir import version_dir
@@ -150,19 +170,25 @@ class RolloutWorker:
 
     def submit_one(self) -> None:
         problem = next(self.problems)
-        rid = f"w{self.index}-{self._seq}"
-        self._seq += 1
-        seed = (self.cfg.seed * 1_000_003 + self.index) * 10_000_019 + self._seq
+        if self.cfg.lag_injection.enabled:  # ids and seeds by (step, index in step): a
+            key = f"s{self._next_slot}-{self._step_seq}"  # restarted run repeats them exactly
+            material = [self.cfg.seed, self.index, self._next_slot, self._step_seq]
+            self._step_seq += 1
+        else:
+            key, material = str(self._seq), [self.cfg.seed, self.index, self._seq]
+            self._seq += 1
+        rid = f"w{self.index}-{key}"
+        seed = int(np.random.SeedSequence(material).generate_state(1)[0] % (2**31))
         req = GenerationRequest(rid, np.asarray(self.tok.encode_prompt(problem.prompt), np.int32),
-                                SamplingParams(seed=seed % (2**31), **self.sampling))
+                                SamplingParams(seed=seed, **self.sampling))
         self.engine.submit(req)
-        self._inflight[rid] = (problem, time.time())
+        slot = self._next_slot
+        self._slots[slot] = self._slots.get(slot, 0) + 1
+        self._inflight[rid] = (problem, slot)
         self.counts["started"] += 1
-        if self.cfg.lag_injection.enabled:
-            self._injected_started += 1
 
     def finish_group(self, rid: str, samples: List[Completion]) -> None:
-        problem, _ = self._inflight.pop(rid)
+        problem, slot = self._inflight.pop(rid)
         samples.sort(key=lambda c: c.sample_index)
         results = [self.task.reward(problem, self.tok.decode(c.token_ids, stop_at_eos=True),
                                     c.finish_reason) for c in samples]
@@ -173,7 +199,7 @@ class RolloutWorker:
         self.counts["groups_scored"] += 1
         self._log_samples(samples, results)
         if not adv.keep:
-            self.counts["started"] -= 1  # a replacement takes its place in the batch
+            self._release(slot)  # a replacement takes its place in the batch
             self.counts["groups_filtered"] += 1
             return
         engine_stats = self._engine_stats
@@ -188,7 +214,7 @@ class RolloutWorker:
                 engine_id=c.engine_id, submit_time=c.submit_time, start_time=c.start_time,
                 finish_time=c.finish_time,
                 metrics={"correct": float(r.correct),
-                         "engine_occupancy": float(engine_stats.get("slot_occupancy", 0.0)),
+                         "engine_occupancy": engine_stats.get("time_occupancy", 0.0),
                          "engine_tokens_per_s": float(engine_stats.get("tokens_per_s", 0.0))}))
         try:
             self.client.put_group(rollouts)
@@ -199,7 +225,11 @@ class RolloutWorker:
                 raise
             log.warning("group %s rejected by the queue: %s", rid, e)
             self.counts["groups_rejected"] += 1
-            self.counts["started"] -= 1
+            self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        if self._slots.get(slot, 0) > 0:
+            self._slots[slot] -= 1
 
     def _log_samples(self, samples, results) -> None:
         if not self.workdir:
@@ -215,13 +245,19 @@ class RolloutWorker:
         now = time.time()
         if now - self._engine_stats_time < every_s:
             return
-        self._engine_stats = self.engine.stats()
+        s = self.engine.stats()
+        # Time-averaged fraction of slots holding a sample (idle time counts as empty).
+        s["time_occupancy"] = float(s.get("slot_occupancy", 0.0) * s.get("busy_fraction", 0.0))
+        self._engine_stats = s
         self._engine_stats_time = now
         if self.workdir:
-            s = self._engine_stats
             append_jsonl(os.path.join(self.workdir, "engine_stats.jsonl"), [{
                 "time_s": now, "engine_id": s["engine_id"], "version": s["version"],
-                "occupancy": s["slot_occupancy"], "active_slots": s["active_slots"],
+                "occupancy": s["time_occupancy"], "decode_occupancy": s["slot_occupancy"],
+                # window means: slots active while decoding, and seconds per decode step
+                "active_slots": s["slot_occupancy"] * s["num_slots"],
+                "decode_step_time_s": (s["busy_fraction"] * s["window_s"]
+                                       / max(s["window_decode_steps"], 1)),
                 "num_slots": s["num_slots"], "tokens_per_s": s["tokens_per_s"],
                 "busy_fraction": s["busy_fraction"], "queued_samples": s["queued_samples"],
                 "decode_steps": s["window_decode_steps"]}])

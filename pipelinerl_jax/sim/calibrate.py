@@ -20,6 +20,7 @@ token lag and mean start_lag.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -102,7 +103,8 @@ class RunMeasurements:
 def read_run(run_dir: str, warmup_fraction: float = 0.1) -> RunMeasurements:
     """Reads and fits a run directory; raises FileNotFoundError / ValueError on bad input."""
     metrics = _jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    samples = _jsonl(os.path.join(run_dir, "samples.jsonl"))
+    samples = [r for path in sorted(glob.glob(os.path.join(run_dir, "samples*.jsonl")))
+               for r in _jsonl(path)]  # samples.jsonl, or one samples.w<i>.jsonl per worker
     stats = _jsonl(os.path.join(run_dir, "engine_stats.jsonl"))
     cfg_path = os.path.join(run_dir, "config.json")
     run_cfg = json.load(open(cfg_path, encoding="utf-8")) if os.path.exists(cfg_path) else {}
@@ -120,10 +122,12 @@ def read_run(run_dir: str, warmup_fraction: float = 0.1) -> RunMeasurements:
     train_fit = _fit_line(_column(metrics, "learner/tokens"), _column(metrics, "learner/step_time_s"))
     sync = _column(metrics, "weight_sync/time_s")
 
-    per_step = np.bincount(np.asarray([int(r["step"]) for r in samples]))
     group = int(_lookup(run_cfg, ["rollout.group_size", "train.group_size"], "group_size") or 1)
     batch = _lookup(run_cfg, ["learner.batch_groups", "train.batch_size"], "batch_groups")
-    batch = int(batch) if batch else int(np.median(per_step[per_step > 0]) // group)
+    if not batch:
+        per_step = np.bincount(np.asarray([int(r["step"]) for r in samples]))
+        batch = int(np.median(per_step[per_step > 0]) // group)
+    batch = int(batch)
     mode = _lookup(run_cfg, ["mode"])
     max_lag = _lookup(run_cfg, ["max_lag"])
     prompt_len = _lookup(run_cfg, ["rollout.prompt_len", "task.prompt_len"], "prompt_len")

@@ -1,0 +1,80 @@
+"""Config validation happens before any process starts, with one message naming the key."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipelinerl_jax import experiment
+from pipelinerl_jax.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _default():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cfg", os.path.join(ROOT, "configs",
+                                                                      "default.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def test_default_and_quick_configs_validate():
+    experiment.validate(_default())
+    resolved = experiment.resolve(_default())
+    assert resolved.transport.max_lag == resolved.max_lag
+    assert resolved.transport.vocab_size > 0
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("loss.name", "magic", r"loss\.name"),
+    ("max_lag", -1, r"^max_lag: must be an integer >= 0"),
+    ("mode", "eventually", r"^mode: must be one of"),
+    ("learner.batch_groups", 3, r"^learner\.batch_groups: a batch of 3 groups"),
+    ("mesh.shape", (3, 1, 1), r"^learner\.batch_groups: .* mesh data\*fsdp = 3"),
+    ("engine.kv_policy", "sometimes", r"engine\.kv_policy"),
+    ("sampling.top_p", 1.5, r"^sampling\.top_p"),
+    ("sampler.kind", "vllm", r"^sampler\.kind"),
+    ("resources.learner_cores", "0-x", r"^resources\.learner_cores"),
+    ("learner.optimizer.learning_rate", 0.0, r"^learner\.optimizer\.learning_rate"),
+])
+def test_invalid_values_name_the_key(key, value, match):
+    cfg = _default()
+    if key == "learner.batch_groups":
+        cfg.learner.micro_batches = 2  # 3 groups x 8 samples = 24 rows; 24 % (2*... )
+        cfg.rollout.group_size = 1
+    node = cfg
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    with pytest.raises(ConfigError, match=match):
+        experiment.validate(cfg)
+
+
+def test_loss_hparam_of_another_loss_is_rejected():
+    cfg = _default()
+    cfg.loss.name = "ppo"
+    cfg.loss.cap = 2.0  # a tis hyperparameter
+    with pytest.raises(ConfigError, match=r"loss\.cap"):
+        experiment.validate(cfg)
+
+
+def _train(tmp_path, *flags):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'default.py')}:quick",
+         f"--workdir={tmp_path / 'run'}", *flags],
+        capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+
+
+def test_entry_point_fails_before_starting_anything(tmp_path):
+    out = _train(tmp_path, "--config.max_lag=-1")
+    assert out.returncode != 0
+    assert "max_lag: must be an integer >= 0" in out.stderr
+    assert not (tmp_path / "run").exists()  # no workdir, no process, no checkpoint
+    out = _train(tmp_path, "--config.learner.no_such_key=1")
+    assert out.returncode != 0 and "no_such_key" in out.stderr
+    assert not (tmp_path / "run").exists()
