@@ -181,6 +181,7 @@ class ServerClient:
                 continue
             if status in RETRY_STATUSES:
                 last = f"HTTP {status}: {error_message(raw)}"
+                self._drop_connection()  # the next try may reach a healthier backend
                 continue
             if not 200 <= status < 300:
                 raise HTTPError(self.url, path, status, error_message(raw))

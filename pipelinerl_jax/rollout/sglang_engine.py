@@ -432,6 +432,8 @@ class SGLangEngine(InferenceEngine):
         return sorted(got.values(), key=lambda c: (order[c.request_id], c.sample_index))
 
     def abort(self, request_id: str) -> int:
+        """Queued samples end at once; running ones when their server answers the abort
+        (with the tokens generated so far). Returns how many samples were unfinished."""
         with self._cv:
             samples = [s for s in self._live.get(request_id, []) if not s.done]
             if not samples:

@@ -2,7 +2,8 @@
 
     python -m pipelinerl_jax.rollout.sglang_test_server --model-path DIR --port 0 \
         [--weight-version 0] [--kv-policy recompute|keep] [--engine '{"max_slots": 4}'] \
-        [--stub] [--startup-503-s S] [--fail-every K] [--abort-every K] [--delay-s S]
+        [--stub] [--startup-delay-s S] [--startup-503-s S] [--fail-every K] [--abort-every K]
+        [--delay-s S]
 
 SGLang needs GPUs, so the SGLang engine is tested against this server. It speaks SGLang's
 native HTTP API as read in sglang's `srt/entrypoints/http_server.py` and
@@ -657,6 +658,8 @@ def parse_args(argv=None):
     p.add_argument("--stub", action="store_true", help="zero-cost generation (benchmarks)")
     p.add_argument("--vocab-size", type=int, default=64, help="--stub without --model-path")
     p.add_argument("--context-length", type=int, default=4096, help="--stub")
+    p.add_argument("--startup-delay-s", type=float, default=0.0,
+                   help="stay in the starting phase (503, as while loading) this long")
     p.add_argument("--startup-503-s", type=float, default=0.0)
     p.add_argument("--fail-every", type=int, default=0)
     p.add_argument("--fail-status", type=int, default=503)
@@ -690,6 +693,9 @@ def main(argv=None) -> int:
             raw = json.dumps({"error": {"message": "server is starting"}}).encode()
             self.send_response(503)
             self.send_header("Content-Length", str(len(raw)))
+            # A kept-alive connection would stay with this handler class for good.
+            self.send_header("Connection", "close")
+            self.close_connection = True
             self.end_headers()
             self.wfile.write(raw)
 
@@ -697,6 +703,7 @@ def main(argv=None) -> int:
 
     server.RequestHandlerClass = Starting
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    time.sleep(args.startup_delay_s)
     state = ServerState(args)
     server.RequestHandlerClass = make_handler(state)
     state.ready = True

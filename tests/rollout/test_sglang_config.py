@@ -162,6 +162,7 @@ def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
             deadline -= 1
             engine.get_completions(timeout=0.1)
         assert engine.version == 0
+        client.set_version(0)  # what the learner announces before it publishes version 0
         worker.run(max_groups=3, max_seconds=60)
         batch = client.get_batch(3, timeout_s=30)
         assert batch is not None and len(batch.groups()) == 3

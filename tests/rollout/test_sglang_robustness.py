@@ -15,8 +15,9 @@ from tests.rollout.conftest import request
 FAST = dict(health_deadline_s=30.0, backoff_initial_s=0.01, backoff_max_s=0.05)
 
 
-def stub(*args):
-    return ServerProcess(["--stub", "--port", "0", "--vocab-size", "64", *args])
+def stub(*args, wait_ready=True):
+    return ServerProcess(["--stub", "--port", "0", "--vocab-size", "64", *args],
+                         wait_ready=wait_ready)
 
 
 @pytest.fixture
@@ -36,11 +37,14 @@ def collect(eng, n, timeout=30.0):
 
 
 def test_startup_503_and_intermittent_503s_are_retried(procs):
-    procs.append(stub("--startup-503-s", "1.0", "--fail-every", "2"))
+    """503 while the server loads (kept-alive probes included), then in its first second
+    of serving, then on every second /generate: all retried."""
+    procs.append(stub("--startup-delay-s", "0.6", "--startup-503-s", "0.5", "--fail-every", "2",
+                      wait_ready=False))
     p = procs[0]
     t0 = time.monotonic()
     eng = SGLangEngine([p.url], dict(FAST, max_retries=3), vocab_size=64, max_seq_len=64)
-    assert time.monotonic() - t0 >= 0.9  # it waited for /health to stop answering 503
+    assert time.monotonic() - t0 >= 1.0  # it waited for /health to stop answering 503
     with eng:
         out = [eng.generate([request(f"r{i}", [1, 2, i], max_new_tokens=5)])[0]
                for i in range(6)]
@@ -99,7 +103,7 @@ def test_dead_server_is_removed_and_readmitted_after_a_refit(procs, tmp_path):
         deadline = time.monotonic() + 20
         while eng.health()["servers_down"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not eng.health()["servers_down"]
+        assert not eng.health()["servers_down"], eng.health()
         assert back.stats()["weight_version"] == "1"
         assert back.stats()["counts"]["update_weights"] == 1
         eng.generate([request(f"again{i}", [5], max_new_tokens=2) for i in range(6)])
