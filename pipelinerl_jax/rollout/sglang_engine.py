@@ -10,7 +10,8 @@ we send `input_ids` and read `output_ids`): a request with a seed is sent in SGL
 form, its `n` samples as `n` copies of the prompt, each with its own `sampling_seed` (SGLang's
 seeded sampler hashes (seed, position), so `n` copies sharing one seed would be identical);
 without a seed it uses `sampling_params.n`. Both answers are flat lists, prompt-major. Requests
-are not merged across prompts: a group is returned as soon as its own samples finish.
+are not merged across prompts: a group is returned as soon as its own samples finish. The wire
+format (bodies, answer parsing, version spans) is in `sglang_protocol.py`.
 A pool of threads (one per request in flight) sends them; a server takes at most
 `sglang.concurrency_per_server` samples at once, and each request goes to the healthy server
 with the fewest samples in flight (least-loaded routing).
@@ -51,10 +52,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -67,6 +66,9 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, R
                                            validate_request)
 from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
                                                   parse_url)
+from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
+                                                    answer_items, generate_body, parse_output,
+                                                    version_of)
 from pipelinerl_jax.transport.security import RetryPolicy
 from pipelinerl_jax.types import Completion, GenerationRequest
 
@@ -74,7 +76,6 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("retract", "in_place", "abort")
 ABORT_POLICIES = ("resubmit", "drop")
-_INT = re.compile(r"^-?\d+$")
 
 
 # ---------------------------------------------------------------------------- config
@@ -135,12 +136,6 @@ def validate_sglang_config(cfg, prefix: str = "sglang", *, required: bool = Fals
         raise cfg_lib.ConfigError(k("api_key"), f"must be a string, got {cfg['api_key']!r}")
 
 
-def version_of(label: Any) -> int:
-    """SGLang's `weight_version` label -> our integer version ('default' etc. -> -1)."""
-    s = str(label).strip() if label is not None else ""
-    return int(s) if _INT.match(s) else -1
-
-
 # ---------------------------------------------------------------------------- state
 
 class _Server:
@@ -156,56 +151,6 @@ class _Server:
         self.counts: collections.Counter = collections.Counter()
 
 
-@dataclasses.dataclass(eq=False)
-class _Sample:
-    request: GenerationRequest
-    index: int
-    prompt: np.ndarray
-    seed: Optional[int]  # this sample's sampling_seed (None: the server draws)
-    max_new: int  # budget, already capped by the context
-    submit_time: float
-    start_time: float = 0.0
-    start_version: Optional[int] = None
-    tokens: list = dataclasses.field(default_factory=list)
-    logps: list = dataclasses.field(default_factory=list)
-    versions: list = dataclasses.field(default_factory=list)
-    kv_versions: list = dataclasses.field(default_factory=list)
-    resubmits: int = 0
-    inexact: bool = False  # a server refit mid-request and reported no per-token spans
-    done: bool = False
-
-    @property
-    def n_generated(self) -> int:
-        return sum(len(t) for t in self.tokens)
-
-    def sequence(self) -> List[int]:
-        return np.concatenate([self.prompt, *self.tokens]).astype(np.int64).tolist()
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-    """One /generate call: all `n` samples of a request, or one resubmitted sample."""
-    samples: List[_Sample]
-    name: str  # rid prefix on the server
-    reroutes: int = 0
-    server: Optional[_Server] = None
-    sent_version: Optional[int] = None
-
-
-class _ProtocolError(Exception):
-    pass
-
-
-def _parallel(job: _Job) -> bool:
-    """Sent as one prompt with sampling_params.n (several samples, no seeds)."""
-    return len(job.samples) > 1 and job.samples[0].seed is None
-
-
-def _rid(job: _Job, smp: _Sample) -> str:
-    """A sample's rid on the server: '<request id>/<job number>/<sample index>'."""
-    return f"{job.name}/{smp.index}"
-
-
 # ---------------------------------------------------------------------------- engine
 
 class SGLangEngine(InferenceEngine):
@@ -215,7 +160,8 @@ class SGLangEngine(InferenceEngine):
     and the context cap (a sample ends with 'length' when prompt + tokens reach
     `max_seq_len`). `version`: the engine's starting version (None: read the servers'
     `weight_version`). `weights_dir` and `model_config`: where and how `update_weights`
-    writes weights given as arrays (a path is used as is).
+    writes weights given as arrays (a path is used as is). `wait_ready=False` skips the
+    startup wait for /health (every server is routed to at once).
     """
 
     def __init__(self, urls: Sequence[str], config: Optional[Mapping] = None, *,
@@ -244,7 +190,7 @@ class SGLangEngine(InferenceEngine):
         self._pending: collections.deque = collections.deque()  # jobs not yet sent
         self._outbox: collections.deque = collections.deque()
         self._failures: Dict[str, str] = {}  # request id -> message (4xx, protocol)
-        self._live: Dict[str, List[_Sample]] = {}  # request id -> its unfinished samples
+        self._live: Dict[str, List[Sample]] = {}  # request id -> its unfinished samples
         self._aborted: set = set()
         self._paused = self._closed = False
         self._job_seq = 0
@@ -362,14 +308,14 @@ class SGLangEngine(InferenceEngine):
         if p.seed is not None:  # one sampling_seed per sample (see module docstring)
             seeds = [int(np.random.default_rng([int(p.seed) % 2**63, i]).integers(2**31))
                      for i in range(n)]
-        samples = [_Sample(request, i, prompt, seeds[i], max_new, now) for i in range(n)]
+        samples = [Sample(request, i, prompt, seeds[i], max_new, now) for i in range(n)]
         with self._cv:
             self._check_open()
             if request.request_id in self._live:
                 raise RequestError(f"request {request.request_id!r}: request_id is already "
                                    "in flight on this engine")
             self._live[request.request_id] = list(samples)
-            self._enqueue(_Job(samples, self._name(request.request_id)))
+            self._enqueue(Job(samples, self._name(request.request_id)))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -379,7 +325,7 @@ class SGLangEngine(InferenceEngine):
         self._job_seq += 1
         return f"{rid}/{self._job_seq}"
 
-    def _enqueue(self, job: _Job) -> None:  # holds _cv
+    def _enqueue(self, job: Job) -> None:  # holds _cv
         self._pending.append(job)
         self._cv.notify_all()
 
@@ -451,14 +397,11 @@ class SGLangEngine(InferenceEngine):
             self._abort_on_server(j)
         return len(samples)
 
-    def _abort_on_server(self, job: _Job) -> None:
+    def _abort_on_server(self, job: Job) -> None:
         s = job.server
         if s is None:
             return
-        # Each sample's own rid; for SGLang's parallel sampling the parent rid, which recent
-        # servers map to its n children (older ones match rids exactly).
-        rids = [job.name] if _parallel(job) else [_rid(job, smp) for smp in job.samples]
-        for rid in rids:
+        for rid in abort_rids(job):
             try:
                 s.client.post("/abort_request", {"rid": rid, "abort_all": False},
                               timeout=self.config.control_timeout_s, retries=1)
@@ -502,43 +445,14 @@ class SGLangEngine(InferenceEngine):
         self._in_flight += delta
         s.in_flight += delta
 
-    def _payload(self, job: _Job) -> dict:
-        first = job.samples[0]
-        p = first.request.params
-        sp = {"temperature": float(p.temperature), "top_p": float(p.top_p),
-              "top_k": int(p.top_k) if p.top_k > 0 else -1,
-              "stop_token_ids": [int(t) for t in p.stop_token_ids or ()],
-              "no_stop_trim": True}  # the stop token stays in output_ids (and in training)
-        body = {"return_logprob": True}
-        if len(job.samples) == 1:  # a single sample, maybe resubmitted with its prefix
-            body["input_ids"] = first.sequence()
-            body["rid"] = _rid(job, first)
-            body["sampling_params"] = dict(sp, max_new_tokens=first.max_new - first.n_generated)
-            if first.seed is not None:
-                body["sampling_params"]["sampling_seed"] = first.seed
-        elif _parallel(job):  # SGLang's parallel sampling of one prompt
-            body["input_ids"] = first.sequence()
-            body["rid"] = job.name
-            body["sampling_params"] = dict(sp, max_new_tokens=first.max_new, n=len(job.samples))
-        else:  # batched form: one prompt copy per sample, each with its own seed
-            body["input_ids"] = [smp.sequence() for smp in job.samples]
-            body["rid"] = [_rid(job, smp) for smp in job.samples]
-            body["sampling_params"] = [dict(sp, max_new_tokens=smp.max_new,
-                                            sampling_seed=smp.seed) for smp in job.samples]
-        return body
-
-    def _run_job(self, job: _Job) -> None:
+    def _run_job(self, job: Job) -> None:
         s = job.server
         error: Optional[str] = None
-        answer = None
         try:
-            answer = s.client.post("/generate", self._payload(job),
+            answer = s.client.post("/generate", generate_body(job),
                                    timeout=self.config.request_timeout_s, stop=self._stop)
-            items = [answer] if isinstance(answer, dict) else answer
-            if not isinstance(items, list) or len(items) != len(job.samples):
-                raise _ProtocolError(f"expected {len(job.samples)} outputs, got "
-                                     f"{type(answer).__name__} of {len(items or [])}")
-            segments = [self._parse(item, job) for item in items]
+            segments = [parse_output(item, job, self.config.pause_mode)
+                        for item in answer_items(answer, job)]
         except ServerUnavailable as e:
             self._release(job)
             if self._stop.is_set():  # closing: close() returns the samples as 'abort'
@@ -559,7 +473,7 @@ class SGLangEngine(InferenceEngine):
                 self._reroute(job, str(e))
                 return
             error = f"server {s.url} rejected it (HTTP {e.status}): {e.message}"
-        except (_ProtocolError, KeyError, TypeError, ValueError) as e:
+        except (ProtocolError, KeyError, TypeError, ValueError) as e:
             error = f"malformed answer from {s.url}: {type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - never lose a request to a client bug
             log.exception("request %s failed in the client", job.name)
@@ -574,13 +488,13 @@ class SGLangEngine(InferenceEngine):
             for smp, seg in zip(job.samples, segments):
                 self._on_segment(smp, seg, s)
 
-    def _release(self, job: _Job) -> None:
+    def _release(self, job: Job) -> None:
         with self._cv:
             job.server.jobs.discard(job)
             self._change_in_flight(job.server, -len(job.samples))
             self._cv.notify_all()
 
-    def _reroute(self, job: _Job, why: str) -> None:
+    def _reroute(self, job: Job, why: str) -> None:
         with self._cv:
             live = [smp for smp in job.samples if not smp.done]
             if not live:
@@ -594,9 +508,9 @@ class SGLangEngine(InferenceEngine):
                     self._counters["failed_samples"] += 1
                     self._finish(smp, "abort")
                 return
-            self._enqueue(_Job(live, self._name(live[0].request.request_id), job.reroutes))
+            self._enqueue(Job(live, self._name(live[0].request.request_id), job.reroutes))
 
-    def _fail(self, job: _Job, error: str) -> None:  # holds _cv
+    def _fail(self, job: Job, error: str) -> None:  # holds _cv
         rid = job.samples[0].request.request_id
         self._counters["request_errors"] += 1
         self._failures[rid] = f"request {rid!r}: {error}"
@@ -608,54 +522,7 @@ class SGLangEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ answers
 
-    def _parse(self, item: dict, job: _Job) -> dict:
-        """One output object -> {tokens, logps, versions, kv_versions, reason, exact}."""
-        meta = item["meta_info"]
-        pairs = meta.get("output_token_logprobs")
-        if pairs is None:
-            raise _ProtocolError("meta_info.output_token_logprobs missing (return_logprob)")
-        ids = item.get("output_ids")
-        tokens = [int(p[1]) for p in pairs] if ids is None else [int(t) for t in ids]
-        if len(pairs) != len(tokens) or any(int(p[1]) != t for p, t in zip(pairs, tokens)):
-            raise _ProtocolError("output_token_logprobs do not match output_ids")
-        if any(p[0] is None for p in pairs):
-            raise _ProtocolError("a generated token has no log-prob")
-        fr = meta.get("finish_reason")
-        kind = fr.get("type") if isinstance(fr, dict) else fr
-        if kind not in ("stop", "length", "abort"):
-            raise _ProtocolError(f"unknown finish_reason {fr!r}")
-        if kind == "abort" and isinstance(fr, dict) and fr.get("status_code") == 400:
-            raise HTTPError(job.server.url, "/generate", 400, str(fr.get("message")))
-        c = len(tokens)
-        versions, exact = self._token_versions(meta, c, job)
-        if self.config.pause_mode == "in_place" and c:
-            kv = np.full((c,), versions[0], np.int32)
-        else:
-            kv = versions.copy()
-        return dict(tokens=np.asarray(tokens, np.int32),
-                    logps=np.asarray([float(p[0]) for p in pairs], np.float32),
-                    versions=versions, kv_versions=kv, reason=kind, exact=exact,
-                    message=fr.get("message") if isinstance(fr, dict) else None)
-
-    @staticmethod
-    def _spans(meta: dict, c: int) -> Optional[np.ndarray]:
-        spans = meta.get("weight_versions")
-        if not isinstance(spans, list) or not spans:
-            return None
-        out = np.full((c,), np.iinfo(np.int32).min, np.int32)
-        for sp in spans:
-            out[int(sp["start"]):int(sp["end"])] = version_of(sp["version"])
-        return None if (out == np.iinfo(np.int32).min).any() else out
-
-    def _token_versions(self, meta: dict, c: int, job: _Job):
-        spans = self._spans(meta, c)
-        if spans is not None:
-            return spans, True
-        at_end = version_of(meta.get("weight_version"))
-        sent = job.sent_version if job.sent_version is not None else at_end
-        return np.full((c,), min(sent, at_end), np.int32), sent == at_end or c == 0
-
-    def _on_segment(self, smp: _Sample, seg: dict, server: _Server) -> None:  # holds _cv
+    def _on_segment(self, smp: Sample, seg: dict, server: _Server) -> None:  # holds _cv
         if smp.done:
             return
         c = len(seg["tokens"])
@@ -682,12 +549,12 @@ class SGLangEngine(InferenceEngine):
                 and room > 0:
             smp.resubmits += 1
             self._counters["resubmitted_samples"] += 1
-            self._enqueue(_Job([smp], self._name(rid)))
+            self._enqueue(Job([smp], self._name(rid)))
         else:
             self._counters["dropped_aborted_samples"] += 1
             self._finish(smp, "abort")
 
-    def _finish(self, smp: _Sample, reason: str) -> None:  # holds _cv
+    def _finish(self, smp: Sample, reason: str) -> None:  # holds _cv
         if smp.done:
             return
         smp.done = True
