@@ -461,8 +461,8 @@ class SGLangEngine(InferenceEngine):
                         self._finish(smp, "abort")
                 return
             self._mark_down(s, str(e))
-            self._abort_on_server(job)  # in case it is only slow: do not leave the work there
             self._reroute(job, str(e))
+            self._abort_on_server(job)  # in case it is only slow: do not leave the work there
             return
         except HTTPError as e:
             if e.status >= 500:  # the server's fault: another server may serve it
