@@ -48,6 +48,10 @@ def base_config() -> ml_collections.ConfigDict:
         keep_weight_versions=3,
     ))
     c.engine = engine_config()
+    # --- sglang (owner: rollout/sglang_engine.py): servers used when sampler.kind='sglang'
+    from pipelinerl_jax.rollout.sglang_engine import sglang_config
+    c.sglang = sglang_config()
+    # --- end sglang
     c.sampling = ml_collections.ConfigDict(dict(
         max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=0))
     c.rollout = ml_collections.ConfigDict(dict(
@@ -130,6 +134,11 @@ def validate(cfg) -> None:
         raise ConfigError("sampler.kind", f"must be one of {SAMPLER_KINDS}, "
                                           f"got {cfg.sampler.kind!r}")
     _int(cfg, "sampler.keep_weight_versions", 1)
+    # --- sglang (owner: rollout/sglang_engine.py)
+    from pipelinerl_jax.rollout.sglang_engine import validate_sglang_config
+    validate_sglang_config(cfg.sglang, "sglang", required=cfg.sampler.kind == "sglang",
+                           num_workers=_int(cfg, "rollout.num_workers", 1))
+    # --- end sglang
     validate_loss_config(cfg.loss)
     validate_advantage_config(cfg.rollout.advantage, cfg.sampling.max_new_tokens)
     validate_transport_config(cfg.transport, "transport")

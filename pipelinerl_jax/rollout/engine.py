@@ -1,0 +1,168 @@
+"""The `InferenceEngine` interface every sampler implements (embedded JAX, SGLang over HTTP).
+
+A rollout worker and the learner only ever see this interface (Tunix's rollout pattern):
+
+    engine.submit(request)                       # non-blocking; bad requests raise RequestError
+    engine.get_completions(timeout=0.1)          # finished samples, in finishing order
+    engine.update_weights(weights, version)      # in-flight, atomic, versions strictly increase
+    engine.generate(requests)                    # blocking convenience (tests, sync mode)
+
+Requests are `GenerationRequest`s; each of their `params.n` samples comes back as its own
+`Completion` (see `pipelinerl_jax.types` and DESIGN.md "Provenance" for the per-token fields),
+as soon as it finishes, independently of the other samples of the request. Nothing here
+assumes a transport: an HTTP engine implements the same methods over its client.
+
+Request validation (`validate_request`) is shared so that every engine rejects the same
+inputs with the same messages, each naming the offending field.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from pipelinerl_jax.types import Completion, GenerationRequest
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the request and the field."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed (or its loop died); it accepts no more work."""
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int,
+                     max_stop_tokens: Optional[int] = None) -> np.ndarray:
+    """Checks a request; returns its prompt as int32 `[P]` or raises `RequestError`.
+
+    A prompt must leave room for at least one new token (`P <= max_seq_len - 1`); a
+    `max_new_tokens` that overruns the context is allowed and ends with finish reason
+    'length' when the context is full.
+    """
+    rid = getattr(request, "request_id", None)
+
+    def bad(field, msg):
+        raise RequestError(f"request {rid!r}: {field}: {msg}")
+
+    if not isinstance(request, GenerationRequest):
+        raise RequestError(f"expected a GenerationRequest, got {type(request).__name__}")
+    if not isinstance(rid, str) or not rid:
+        bad("request_id", "must be a non-empty string")
+    try:
+        prompt = np.asarray(request.prompt_ids)
+    except Exception as e:  # noqa: BLE001 - any unconvertible input is the caller's error
+        bad("prompt_ids", f"not an array of token ids ({e})")
+    if prompt.ndim != 1:
+        bad("prompt_ids", f"must be 1-D, got shape {prompt.shape}")
+    if prompt.size == 0:
+        bad("prompt_ids", "is empty (a prompt needs at least one token)")
+    if not np.issubdtype(prompt.dtype, np.integer):
+        bad("prompt_ids", f"must hold integer token ids, got dtype {prompt.dtype}")
+    if prompt.size > max_seq_len - 1:
+        bad("prompt_ids", f"length {prompt.size} leaves no room for a new token in the "
+                          f"context of {max_seq_len} tokens (max prompt {max_seq_len - 1})")
+    lo, hi = int(prompt.min()), int(prompt.max())
+    if lo < 0 or hi >= vocab_size:
+        bad("prompt_ids", f"token id {lo if lo < 0 else hi} outside the vocabulary "
+                          f"[0, {vocab_size})")
+    p = request.params
+    if isinstance(p.max_new_tokens, bool) or not isinstance(p.max_new_tokens, (int, np.integer)) \
+            or p.max_new_tokens <= 0:
+        bad("params.max_new_tokens", f"must be a positive integer, got {p.max_new_tokens!r}")
+    if isinstance(p.n, bool) or not isinstance(p.n, (int, np.integer)) or p.n <= 0:
+        bad("params.n", f"must be a positive integer, got {p.n!r}")
+    if not _finite(p.temperature) or p.temperature < 0:
+        bad("params.temperature", f"must be a finite number >= 0 (0 = greedy), "
+                                  f"got {p.temperature!r}")
+    if not _finite(p.top_p) or not 0 < p.top_p <= 1:
+        bad("params.top_p", f"must be in (0, 1], got {p.top_p!r}")
+    if isinstance(p.top_k, bool) or not isinstance(p.top_k, (int, np.integer)) or p.top_k < 0:
+        bad("params.top_k", f"must be an integer >= 0 (0 = off), got {p.top_k!r}")
+    stops = list(p.stop_token_ids or ())
+    for s in stops:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < vocab_size:
+            bad("params.stop_token_ids", f"{s!r} is not a token id in [0, {vocab_size})")
+    if max_stop_tokens is not None and len(set(stops)) > max_stop_tokens:
+        bad("params.stop_token_ids", f"{len(set(stops))} stop ids; this engine takes at most "
+                                     f"{max_stop_tokens} (engine.max_stop_tokens)")
+    if p.seed is not None and (isinstance(p.seed, bool)
+                               or not isinstance(p.seed, (int, np.integer))):
+        bad("params.seed", f"must be an integer or None, got {p.seed!r}")
+    return prompt.astype(np.int32)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) \
+        and math.isfinite(x)
+
+
+class InferenceEngine(abc.ABC):
+    """A sampler that serves generation requests and takes versioned weight updates."""
+
+    engine_id: str = ""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The weight version the next forward pass uses."""
+
+    @abc.abstractmethod
+    def submit(self, request: GenerationRequest) -> None:
+        """Queues a request (non-blocking). Raises `RequestError` for a bad request (the
+        engine keeps serving the others) and `EngineClosedError` after `close()`."""
+
+    @abc.abstractmethod
+    def get_completions(self, timeout: Optional[float] = 0.0,
+                        max_items: Optional[int] = None) -> List[Completion]:
+        """Finished samples in finishing order. Waits up to `timeout` seconds (None = until
+        at least one is ready) and returns [] when none finished in time."""
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest],
+                 timeout: Optional[float] = None) -> List[Completion]:
+        """Submits `requests` and blocks until all their samples finished; returns them in
+        request order, then sample order. Other requests' completions stay queued for
+        `get_completions`."""
+
+    @abc.abstractmethod
+    def update_weights(self, weights: Any, version: int, *, wait: bool = True,
+                       timeout: Optional[float] = None) -> None:
+        """Installs new weights as `version` between two forward passes, without dropping
+        in-flight requests. `weights` is a flat `{state path: array}` dict
+        (`pipelinerl_jax.models.flat_params`), an `nnx.State`, a model, or the path of an HF
+        checkpoint directory. `version` must exceed every version seen so far, else
+        `ValueError` naming both. With `wait`, returns once the version is live."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stops generating after the current step (requests stay queued / in flight)."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Undoes `pause()`."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> int:
+        """Ends a request's queued and running samples with finish reason 'abort'; returns
+        how many samples were aborted."""
+
+    @abc.abstractmethod
+    def health(self) -> Dict[str, Any]:
+        """`{'ok': bool, 'version': int, 'running': bool, 'paused': bool, 'error': str|None}`."""
+
+    @abc.abstractmethod
+    def stats(self) -> Dict[str, Any]:
+        """Load figures; rates and occupancies are averages since the previous call."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stops serving; unfinished samples come back with finish reason 'abort'."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,143 @@
+"""The jitted device programs of `JaxEngine`: batched prefill, multi-step decode, slot release.
+
+Device state is a dense KV cache of `max_slots` rows × `max_seq_len` positions plus a
+`SlotState` holding, per slot, the pending token (sampled, its K/V not yet written), its
+position and the slot's sampling parameters. Everything stays on device between calls; a
+call returns only the sampled tokens and log-probs.
+
+* `prefill(params, cache, slots, ids, lengths, slot_idx, rows)` runs right-padded prompts
+  `[Bp, T]` through the model with a fresh `[Bp, T]` cache, copies those K/V rows into the
+  big cache at `slot_idx` (rows with an out-of-range slot are padding and are dropped), takes
+  the logits at each prompt's last position and samples its first token. A re-prefill of a
+  prompt plus the tokens generated so far (kv_policy='recompute') is the same call.
+* `decode(params, cache, slots, stop_on_finish)` runs up to `steps` decode steps in one
+  `lax.while_loop`: each step feeds every active slot's pending token at its position and
+  samples the next. A slot that samples a stop id or reaches its length limit freezes; the
+  loop exits early when no slot is active, or, with `stop_on_finish`, as soon as any slot
+  finishes (so queued requests get the free slot without waiting for the rest of the chunk).
+  Attention runs over the first `cache_len` positions only (a static bucket ≥ every active
+  position written in the chunk), not over all `max_seq_len`.
+
+Shapes are static per (prefill batch bucket, prompt-length bucket) and per cache-length
+bucket, so steady-state serving compiles nothing new. The compiled programs are cached per
+(model config, engine shape) at module level, so engines of the same shape share them.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pipelinerl_jax.models import Decoder, KVCache, init_cache
+from pipelinerl_jax.models.config import ModelConfig
+from pipelinerl_jax.rollout.sampling import RowParams, is_stop, sample
+
+
+class SlotState(NamedTuple):
+    token: jax.Array  # int32 [S]: pending token (sampled, K/V not yet written)
+    pos: jax.Array  # int32 [S]: sequence position of the pending token
+    active: jax.Array  # bool [S]
+    rows: RowParams  # per-slot sampling parameters
+
+
+def empty_slots(num_slots: int, max_stop_tokens: int) -> SlotState:
+    def z():  # a distinct buffer per field: donated fields must not alias
+        return jnp.zeros((num_slots,), jnp.int32)
+    return SlotState(
+        token=z(), pos=z(), active=jnp.zeros((num_slots,), bool),
+        rows=RowParams(seed=jnp.zeros((num_slots,), jnp.uint32), sample_index=z(),
+                       temperature=jnp.ones((num_slots,), jnp.float32),
+                       top_p=jnp.ones((num_slots,), jnp.float32), top_k=z(),
+                       stop_ids=jnp.full((num_slots, max_stop_tokens), -1, jnp.int32),
+                       limit=z()))
+
+
+class StepFns(NamedTuple):
+    prefill: callable
+    decode: callable  # decode(params, cache, slots, stop_on_finish, cache_len=static)
+    release: callable
+    graphdef: object
+
+
+@functools.lru_cache(maxsize=None)
+def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode: str,
+             cache_sharding=None) -> StepFns:
+    """Jitted programs for one engine shape (cached: engines of one shape share executables)."""
+    graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))[0]
+
+    def prefill(params, cache: KVCache, slots: SlotState, ids_bt, lengths_b, slot_idx_b,
+                rows: RowParams):
+        model = nnx.merge(graphdef, params)
+        b, t = ids_bt.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        fresh = init_cache(model_cfg, b, t, dtype=cache.k[0].dtype)
+        h_btd, fresh = model.hidden_states(ids_bt, positions, fresh)
+        h_bd = h_btd[jnp.arange(b), lengths_b - 1]
+        logits_bv = model.logits_from_hidden(h_bd)
+        token_b, logp_b = sample(logits_bv, rows, lengths_b, logprob_mode)
+        done_b = is_stop(token_b, rows.stop_ids) | (lengths_b + 1 >= rows.limit)
+
+        def put(big, small):
+            return big.at[slot_idx_b, :t].set(small.astype(big.dtype), mode="drop")
+        cache = KVCache(tuple(map(put, cache.k, fresh.k)), tuple(map(put, cache.v, fresh.v)))
+
+        def scatter(dst, src):
+            return dst.at[slot_idx_b].set(src, mode="drop")
+        slots = SlotState(token=scatter(slots.token, token_b), pos=scatter(slots.pos, lengths_b),
+                          active=scatter(slots.active, ~done_b),
+                          rows=jax.tree.map(scatter, slots.rows, rows))
+        return cache, slots, (token_b, logp_b, done_b)
+
+    def decode(params, cache: KVCache, slots: SlotState, stop_on_finish, cache_len: int):
+        model = nnx.merge(graphdef, params)
+        num_slots = slots.token.shape[0]
+        sliced = cache_len < max_seq_len
+        view = jax.tree.map(lambda c: c[:, :cache_len], cache) if sliced else cache
+        out_tok = jnp.zeros((steps, num_slots), jnp.int32)
+        out_logp = jnp.zeros((steps, num_slots), jnp.float32)
+        out_emit = jnp.zeros((steps, num_slots), bool)
+
+        def body(carry):
+            i, view, slots, finished, out_tok, out_logp, out_emit = carry
+            active = slots.active
+            # Inactive rows write at an out-of-range position: the scatter drops it.
+            pos = jnp.where(active, slots.pos, cache_len)
+            logits, view = model(slots.token[:, None], positions=pos[:, None], cache=view)
+            token, logp = sample(logits[:, 0], slots.rows, slots.pos + 1, logprob_mode)
+            done = active & (is_stop(token, slots.rows.stop_ids)
+                             | (slots.pos + 2 >= slots.rows.limit))
+            slots = slots._replace(token=jnp.where(active, token, slots.token),
+                                   pos=jnp.where(active, slots.pos + 1, slots.pos),
+                                   active=active & ~done)
+            return (i + 1, view, slots, finished | jnp.any(done),
+                    out_tok.at[i].set(token), out_logp.at[i].set(logp),
+                    out_emit.at[i].set(active))
+
+        def cond(carry):
+            i, view, slots, finished = carry[:4]
+            return (i < steps) & jnp.any(slots.active) & ~(stop_on_finish & finished)
+
+        init = (jnp.int32(0), view, slots, jnp.bool_(False), out_tok, out_logp, out_emit)
+        n, view, slots, _, out_tok, out_logp, out_emit = jax.lax.while_loop(cond, body, init)
+        if sliced:
+            cache = jax.tree.map(
+                lambda c, v: jax.lax.dynamic_update_slice(c, v, (0,) * c.ndim), cache, view)
+        else:
+            cache = view
+        return cache, slots, (out_tok, out_logp, out_emit, slots.active, n)
+
+    def release(slots: SlotState, free_b):
+        """Deactivates the slots where `free_b` is set (aborted requests)."""
+        return slots._replace(active=slots.active & ~free_b)
+
+    out_cache = cache_sharding
+    return StepFns(
+        prefill=jax.jit(prefill, donate_argnums=(1, 2),
+                        out_shardings=None if out_cache is None else (out_cache, None, None)),
+        decode=jax.jit(decode, donate_argnums=(1, 2), static_argnames=("cache_len",),
+                       out_shardings=None if out_cache is None else (out_cache, None, None)),
+        release=jax.jit(release, donate_argnums=(0,)),
+        graphdef=graphdef)

@@ -1,0 +1,681 @@
+"""`JaxEngine`: the embedded sampler — continuous batching over a dense KV cache, in JAX.
+
+Scheduling (one `step()`; a background thread calls it in a loop, or a test calls it):
+  1. apply a pending weight update (atomically: the parameter tree is swapped by reference
+     between two jitted calls, so no forward pass mixes versions); with
+     `kv_policy='recompute'` every in-flight sample's prompt + generated tokens are
+     re-prefilled with the new weights (AReaL style), with `'keep'` their KV stays
+     (PipelineRL style);
+  2. admit queued samples, first come first served, into free slots while the KV budget
+     allows: a sample reserves `min(prompt + max_new_tokens, max_seq_len)` tokens of
+     `kv_budget_tokens` for its lifetime (conservative reservation, as SGLang's scheduler
+     does without retraction). A head-of-queue sample that does not fit blocks the queue, so
+     long requests are never starved by short ones. Admitted samples are prefilled together
+     (grouped by length, padded to a prompt-length bucket);
+  3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
+     ending early when a slot finishes while samples are queued.
+A sample is one of the `n` samples of a request; each finishes and is returned on its own.
+
+Provenance (DESIGN.md): a token gets `version` = the version live when the forward pass that
+sampled it ran, and `kv_version` = the oldest version that wrote the KV it attended to; the
+engine tracks, per sample, the version of its oldest KV write (its admission version under
+'keep', reset to the new version by a 'recompute' re-prefill). Log-probs: see
+`pipelinerl_jax.rollout.sampling` (`engine.logprob_mode`).
+
+The physical cache is dense (`max_slots × max_seq_len`); `kv_budget_tokens` is the admission
+limit that models HBM on an accelerator (how many tokens of KV the device could hold).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import threading
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax.models import Decoder, flat_params, from_pretrained, init_cache
+from pipelinerl_jax.models.config import dtype_of
+from pipelinerl_jax.rollout import engine_steps
+from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
+                                           validate_request)
+from pipelinerl_jax.rollout.sampling import LOGPROB_MODES, RowParams
+from pipelinerl_jax.types import Completion, GenerationRequest
+
+KV_POLICIES = ("keep", "recompute")
+DTYPES = ("float32", "bfloat16")
+
+
+def engine_config() -> ml_collections.ConfigDict:
+    """Defaults of the `engine` config section (every key is validated by the function below)."""
+    c = ml_collections.ConfigDict()
+    c.max_slots = 8  # concurrent samples (decode batch rows)
+    c.max_seq_len = 256  # context: prompt + generated tokens
+    c.kv_budget_tokens = 0  # KV tokens admitted samples may reserve; 0 = max_slots * max_seq_len
+    c.prefill_buckets = ()  # prompt-length buckets; () = 16, 32, ... up to max_seq_len
+    c.cache_buckets = ()  # attention-length buckets of decode; () = 64, 128, ... max_seq_len
+    c.max_prefill_batch = 4  # prompts per prefill call (batch buckets: powers of two up to it)
+    c.steps_per_sync = 8  # decode steps per device call / host sync
+    c.kv_policy = "keep"  # 'keep' (PipelineRL) | 'recompute' (AReaL) on a weight update
+    c.logprob_mode = "sampled"  # 'sampled' (truncated, renormalised) | 'tempered'
+    c.dtype = "float32"  # parameter and compute dtype of the engine's copy of the model
+    c.max_stop_tokens = 8  # stop ids per request
+    c.seed = 0  # seeds the per-request seeds of requests that give none
+    return c
+
+
+def validate_engine_config(cfg, prefix: str = "engine") -> None:
+    """Raises `ConfigError` naming the first bad key of the `engine` section."""
+    k = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+    root = cfg
+    for part in reversed(prefix.split(".") if prefix else []):
+        root = {part: root}  # so the helpers can read `prefix.key` from the section alone
+    cfg_lib.check_keys(cfg, prefix, engine_config().keys())
+    for name in ("max_slots", "max_seq_len", "max_prefill_batch", "steps_per_sync",
+                 "max_stop_tokens"):
+        cfg_lib.positive_int(root, k(name))
+    cfg_lib.positive_int(root, k("kv_budget_tokens"), allow_zero=True)
+    cfg_lib.positive_int(root, k("seed"), allow_zero=True)
+    max_seq_len = cfg["max_seq_len"]
+    if max_seq_len < 2:
+        raise cfg_lib.ConfigError(k("max_seq_len"), f"must be >= 2, got {max_seq_len}")
+    for name in ("prefill_buckets", "cache_buckets"):
+        b = cfg[name]
+        if not isinstance(b, (tuple, list)) or any(
+                isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in b):
+            raise cfg_lib.ConfigError(k(name), f"must be a tuple of positive integers, got {b!r}")
+        if list(b) != sorted(set(b)):
+            raise cfg_lib.ConfigError(k(name), f"must be strictly increasing, got {tuple(b)}")
+        if b and b[-1] > max_seq_len:
+            raise cfg_lib.ConfigError(k(name), f"bucket {b[-1]} exceeds max_seq_len "
+                                               f"{max_seq_len}")
+    if 0 < cfg["kv_budget_tokens"] < 2:
+        raise cfg_lib.ConfigError(k("kv_budget_tokens"), "must be 0 (unlimited) or >= 2")
+    cfg_lib.one_of(root, k("kv_policy"), KV_POLICIES)
+    cfg_lib.one_of(root, k("logprob_mode"), LOGPROB_MODES)
+    cfg_lib.one_of(root, k("dtype"), DTYPES)
+
+
+def _buckets(given: Sequence[int], smallest: int, top: int) -> tuple:
+    out = sorted(given) if given else [b for b in (smallest << i for i in range(32)) if b < top]
+    return tuple(out if out and out[-1] == top else [*out, top])
+
+
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    request: GenerationRequest
+    index: int  # sample index within the request
+    prompt: np.ndarray
+    seed: int
+    limit: int  # total length (prompt + generated) at which the sample ends
+    submit_time: float
+    start_time: float = 0.0
+    start_version: int = -1
+    kv_version: int = -1  # oldest version among the KV writes of this sample
+    tokens: list = dataclasses.field(default_factory=list)
+    logps: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    kv_versions: list = dataclasses.field(default_factory=list)
+    n_generated: int = 0
+
+    @property
+    def pos(self) -> int:  # position of the pending (last sampled) token
+        return len(self.prompt) + self.n_generated - 1
+
+    def sequence(self) -> np.ndarray:
+        return np.concatenate([self.prompt, *self.tokens]).astype(np.int32)
+
+
+class JaxEngine(InferenceEngine):
+    """Continuous-batching JAX sampler with in-flight weight updates (module docstring).
+
+    `model` is a `Decoder` (its weights are copied) or an HF checkpoint directory. Without
+    `start()` the caller drives it with `step()` (deterministic tests); with `start()` a
+    background thread does, and every public method is thread-safe.
+    """
+
+    def __init__(self, model: Any, config: Optional[Mapping] = None, *, version: int = 0,
+                 engine_id: str = "jax-engine", mesh=None, start: bool = False):
+        cfg = engine_config()
+        if config is not None:
+            cfg.update(dict(config))
+        validate_engine_config(cfg)
+        self.config = cfg
+        self.engine_id = engine_id
+        self._dtype = dtype_of(cfg.dtype)
+        if isinstance(model, (str, os.PathLike)):
+            model = from_pretrained(os.fspath(model), dtype=self._dtype)
+        if not isinstance(model, Decoder):
+            raise TypeError(f"model must be a Decoder or a checkpoint path, got {type(model)}")
+        self.model_config = model.cfg.replace(dtype=self._dtype, param_dtype=self._dtype)
+        if cfg.max_seq_len > self.model_config.max_position_embeddings:
+            raise cfg_lib.ConfigError(
+                "engine.max_seq_len", f"{cfg.max_seq_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        self.num_slots = cfg.max_slots
+        self.max_seq_len = cfg.max_seq_len
+        self.kv_budget = cfg.kv_budget_tokens or cfg.max_slots * cfg.max_seq_len
+        self.prefill_buckets = _buckets(cfg.prefill_buckets, 16, cfg.max_seq_len)
+        self.cache_buckets = _buckets(cfg.cache_buckets, 64, cfg.max_seq_len)
+        self.batch_buckets = _buckets((), 1, cfg.max_prefill_batch)
+
+        # ---- device state: parameters, KV cache, per-slot state
+        self._mesh = mesh if mesh is not None else sharding_lib.make_mesh((1, 1, 1))
+        abstract = nnx.eval_shape(lambda: Decoder(self.model_config, nnx.Rngs(0)))
+        self._abstract_state = nnx.split(abstract)[1]
+        self._param_shardings = sharding_lib.state_shardings(self._abstract_state, self._mesh)
+        self._replicated = NamedSharding(self._mesh, P())
+        cache_sharding = NamedSharding(
+            self._mesh, sharding_lib.logical_to_spec((None, None, "kv_heads", None)))
+        self._fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
+                                          cfg.logprob_mode, cache_sharding)
+        self._params = self._materialise(model)
+        self._cache = jax.device_put(init_cache(self.model_config, cfg.max_slots,
+                                                cfg.max_seq_len), cache_sharding)
+        self._slots_dev = jax.device_put(
+            engine_steps.empty_slots(cfg.max_slots, cfg.max_stop_tokens), self._replicated)
+
+        # ---- host state (guarded by _lock; device work is serialised by _step_mutex)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._step_mutex = threading.Lock()
+        self._queue: collections.deque = collections.deque()
+        self._slots: List[Optional[_Sample]] = [None] * cfg.max_slots
+        self._outbox: collections.deque = collections.deque()
+        self._live: Dict[str, int] = {}  # request id -> samples not yet returned
+        self._version = int(version)
+        self._newest_version = int(version)  # newest version accepted (live or pending)
+        self._pending = None  # (params, version) waiting for the next step boundary
+        self._reserved = 0
+        self._paused = False
+        self._closed = False
+        self._error: Optional[str] = None
+        self._thread: Optional[threading.Thread] = None
+        self._seed_counter = 0
+        self._counters = collections.Counter()
+        self._window = collections.Counter()
+        self._window_start = time.perf_counter()
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ weights
+
+    def _materialise(self, weights: Any) -> nnx.State:
+        """A fresh parameter state in the engine's dtype and shardings (never aliasing the
+        caller's buffers, which a learner may donate right after handing them over)."""
+        if isinstance(weights, (str, os.PathLike)):
+            weights = from_pretrained(os.fspath(weights), dtype=self._dtype)
+        if isinstance(weights, (nnx.Module, nnx.State)):
+            flat = flat_params(weights, host=False)
+        elif isinstance(weights, Mapping):
+            flat = weights
+        else:
+            raise TypeError("weights must be a flat {path: array} dict, an nnx.State, a model "
+                            f"or a checkpoint path, got {type(weights).__name__}")
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            self._abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        shardings = jax.tree_util.tree_leaves(
+            self._param_shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        names = [sharding_lib.path_name(p) for p, _ in leaves]
+        missing = [n for n in names if n not in flat]
+        extra = sorted(set(flat) - set(names))
+        if missing or extra:
+            raise ValueError(f"weights do not match the engine's model: missing {missing[:5]}, "
+                             f"unknown {extra[:5]}")
+        values = []
+        for name, (_, var), svar in zip(names, leaves, shardings):
+            arr = flat[name]
+            if tuple(arr.shape) != tuple(var.shape):
+                raise ValueError(f"weights: parameter {name!r} has shape {tuple(arr.shape)}, "
+                                 f"the engine's model needs {tuple(var.shape)}")
+            if isinstance(arr, jax.Array):
+                arr = jnp.array(arr, dtype=self._dtype, copy=True)
+            else:
+                arr = np.asarray(arr).astype(self._dtype)
+            values.append(var.replace(jax.device_put(arr, svar.get_value())))
+        return jax.tree_util.tree_unflatten(treedef, values)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def update_weights(self, weights: Any, version: int, *, wait: bool = True,
+                       timeout: Optional[float] = None) -> None:
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"update_weights: version must be an integer, got {version!r}")
+        version = int(version)
+        self._check_newer(version)
+        params = self._materialise(weights)  # the slow part, outside every lock
+        with self._cv:
+            self._check_newer(version)
+            self._pending = (params, version)
+            self._newest_version = version
+            self._cv.notify_all()
+        if self._thread is None:
+            with self._step_mutex:
+                self._apply_pending_update()
+            return
+        if wait:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with self._cv:
+                while self._version < version and self._error is None and not self._closed:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"update_weights: version {version} not live after "
+                                           f"{timeout}s (engine at {self._version})")
+                    self._cv.wait(left)
+                if self._version < version:
+                    raise EngineClosedError(f"engine stopped before version {version} went "
+                                            f"live: {self._error or 'closed'}")
+
+    def _check_newer(self, version: int) -> None:
+        if self._closed:
+            raise EngineClosedError(f"engine {self.engine_id} is closed")
+        if version <= self._newest_version:
+            raise ValueError(
+                f"update_weights: version {version} is not newer than the engine's version "
+                f"{self._newest_version} (live {self._version}); versions must strictly "
+                "increase, a stale or duplicate update is never applied")
+
+    def _apply_pending_update(self) -> None:
+        with self._cv:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self._params, version = pending
+        with self._cv:
+            self._version = version
+            self._counters["updates_applied"] += 1
+        if self.config.kv_policy == "recompute":
+            running = [s for s in self._slots if s is not None]
+            for s in running:
+                s.kv_version = version
+            self._prefill([(s, self._slots.index(s), s.sequence()) for s in running])
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: GenerationRequest) -> None:
+        prompt = validate_request(request, self.model_config.vocab_size, self.max_seq_len,
+                                  self.config.max_stop_tokens)
+        p = request.params
+        limit = min(len(prompt) + int(p.max_new_tokens), self.max_seq_len)
+        if limit > self.kv_budget:
+            raise RequestError(f"request {request.request_id!r}: needs {limit} KV tokens "
+                               f"(prompt + max_new_tokens), more than engine.kv_budget_tokens "
+                               f"= {self.kv_budget}; it could never be admitted")
+        now = time.time()
+        with self._cv:
+            if self._closed or self._error:
+                raise EngineClosedError(f"engine {self.engine_id} is closed "
+                                        f"({self._error or 'close() was called'})")
+            if request.request_id in self._live:
+                raise RequestError(f"request {request.request_id!r}: request_id is already "
+                                   "in flight on this engine")
+            if p.seed is None:
+                seed = int(np.random.default_rng([self.config.seed, self._seed_counter])
+                           .integers(2**32))
+                self._seed_counter += 1
+            else:
+                seed = int(p.seed) % 2**32
+            for i in range(int(p.n)):
+                self._queue.append(_Sample(request, i, prompt, seed, limit, now))
+            self._live[request.request_id] = int(p.n)
+            self._cv.notify_all()
+
+    def get_completions(self, timeout: Optional[float] = 0.0,
+                        max_items: Optional[int] = None) -> List[Completion]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while not self._outbox:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or self._closed or self._error:
+                    break
+                self._cv.wait(left)
+            n = len(self._outbox) if max_items is None else min(max_items, len(self._outbox))
+            return [self._outbox.popleft() for _ in range(n)]
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 timeout: Optional[float] = None) -> List[Completion]:
+        requests = list(requests)
+        for r in requests:  # all or nothing: validate every request before queueing any
+            validate_request(r, self.model_config.vocab_size, self.max_seq_len,
+                             self.config.max_stop_tokens)
+        for r in requests:
+            self.submit(r)
+        wanted = {r.request_id for r in requests}
+        total = sum(int(r.params.n) for r in requests)
+        got: Dict[tuple, Completion] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(got) < total:
+            with self._cv:
+                mine = [c for c in self._outbox if c.request_id in wanted]
+                for c in mine:
+                    self._outbox.remove(c)
+                    got[(c.request_id, c.sample_index)] = c
+                if len(got) >= total:
+                    break
+                if self._error or self._closed:
+                    raise EngineClosedError(f"engine stopped during generate: "
+                                            f"{self._error or 'closed'}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"generate: {total - len(got)} samples unfinished after "
+                                       f"{timeout}s")
+                if self._thread is not None:
+                    self._cv.wait(left if left is not None else 1.0)
+                    continue
+                if self._paused:
+                    raise RuntimeError("generate: the engine is paused and has no loop thread")
+            self._step()
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        return sorted(got.values(), key=lambda c: (order[c.request_id], c.sample_index))
+
+    def abort(self, request_id: str) -> int:
+        with self._step_mutex:
+            with self._cv:
+                queued = [s for s in self._queue if s.request.request_id == request_id]
+                for s in queued:
+                    self._queue.remove(s)
+            running = [i for i, s in enumerate(self._slots)
+                       if s is not None and s.request.request_id == request_id]
+            if running:
+                free = np.zeros((self.num_slots,), bool)
+                free[running] = True
+                self._slots_dev = self._fns.release(self._slots_dev, free)
+            for s in queued + [self._slots[i] for i in running]:
+                self._finish(s, "abort")
+            return len(queued) + len(running)
+
+    # ------------------------------------------------------------------ the loop
+
+    def start(self) -> None:
+        """Starts the background serving thread (idempotent)."""
+        with self._cv:
+            if self._closed:
+                raise EngineClosedError(f"engine {self.engine_id} is closed")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._loop, name=f"{self.engine_id}-loop",
+                                            daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._closed and self._pending is None and (
+                            self._paused or not (self._queue or any(self._slots))):
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                self._step()
+        except Exception as e:  # noqa: BLE001 - surfaced through health() and callers
+            with self._cv:
+                self._error = f"{type(e).__name__}: {e}"
+                self._cv.notify_all()
+            self._abort_all()
+
+    def step(self) -> int:
+        """One scheduling iteration (update, admit + prefill, one decode chunk); returns the
+        number of tokens sampled. Only for engines driven without `start()`."""
+        if self._thread is not None:
+            raise RuntimeError("step() drives engines without a loop thread; this one has one")
+        if self._closed:
+            raise EngineClosedError(f"engine {self.engine_id} is closed")
+        return self._step()
+
+    def _step(self) -> int:
+        with self._step_mutex:
+            t0 = time.perf_counter()
+            self._apply_pending_update()
+            produced = 0
+            if not self._paused:
+                produced = self._admit() + self._decode()
+            with self._cv:
+                for c in (self._counters, self._window):
+                    c["busy_s"] += time.perf_counter() - t0
+                    c["tokens"] += produced
+            return produced
+
+    def _admit(self) -> int:
+        produced = 0
+        while True:
+            batch = []
+            with self._cv:
+                free = [i for i, s in enumerate(self._slots) if s is None]
+                while self._queue and free and \
+                        self._reserved + self._queue[0].limit <= self.kv_budget:
+                    s = self._queue.popleft()
+                    slot = free.pop(0)
+                    self._slots[slot] = s
+                    self._reserved += s.limit
+                    s.start_time, s.start_version = time.time(), self._version
+                    s.kv_version = self._version
+                    batch.append((s, slot, s.prompt))
+            if not batch:
+                return produced
+            produced += self._prefill(batch)
+
+    def _prefill(self, entries) -> int:
+        """Prefills `(sample, slot, token sequence)` entries and records each first token."""
+        entries = sorted(entries, key=lambda e: len(e[2]))  # similar lengths share a bucket
+        cap = self.batch_buckets[-1]
+        for start in range(0, len(entries), cap):
+            group = entries[start:start + cap]
+            bp = next(b for b in self.batch_buckets if b >= len(group))
+            t = next(b for b in self.prefill_buckets if b >= max(len(e[2]) for e in group))
+            ids = np.zeros((bp, t), np.int32)
+            lengths = np.ones((bp,), np.int32)
+            slot_idx = np.full((bp,), self.num_slots, np.int32)  # out of range = padding row
+            rows = self._row_params(bp)
+            for j, (s, slot, seq) in enumerate(group):
+                ids[j, :len(seq)] = seq
+                lengths[j], slot_idx[j] = len(seq), slot
+                self._fill_row(rows, j, s)
+            self._cache, self._slots_dev, out = self._fns.prefill(
+                self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
+                RowParams(**rows))
+            token, logp, done = jax.device_get(out)
+            for j, (s, slot, _) in enumerate(group):
+                self._record(s, token[j:j + 1], logp[j:j + 1])
+                if done[j]:
+                    self._finish(s, self._reason(s))
+            self._counters["prefill_calls"] += 1
+        return len(entries)
+
+    def _row_params(self, b: int) -> dict:
+        return dict(seed=np.zeros((b,), np.uint32), sample_index=np.zeros((b,), np.int32),
+                    temperature=np.ones((b,), np.float32), top_p=np.ones((b,), np.float32),
+                    top_k=np.zeros((b,), np.int32), limit=np.full((b,), 2, np.int32),
+                    stop_ids=np.full((b, self.config.max_stop_tokens), -1, np.int32))
+
+    @staticmethod
+    def _fill_row(rows: dict, j: int, s: _Sample) -> None:
+        p = s.request.params
+        rows["seed"][j], rows["sample_index"][j] = s.seed, s.index
+        rows["temperature"][j], rows["top_p"][j], rows["top_k"][j] = \
+            p.temperature, p.top_p, p.top_k
+        rows["limit"][j] = s.limit
+        stops = sorted(set(int(x) for x in p.stop_token_ids or ()))
+        rows["stop_ids"][j, :len(stops)] = stops
+
+    def _decode(self) -> int:
+        running = [i for i, s in enumerate(self._slots) if s is not None]
+        if not running:
+            return 0
+        need = max(self._slots[i].pos for i in running) + self.config.steps_per_sync
+        cache_len = next((b for b in self.cache_buckets if b >= need), self.max_seq_len)
+        with self._cv:
+            queued = bool(self._queue)
+        self._cache, self._slots_dev, out = self._fns.decode(
+            self._params, self._cache, self._slots_dev, queued, cache_len=cache_len)
+        tokens, logps, emitted, active, n = jax.device_get(out)
+        produced = 0
+        for i in running:
+            k = int(emitted[:n, i].sum())  # a slot emits from the first step until it ends
+            s = self._slots[i]
+            self._record(s, tokens[:k, i], logps[:k, i])
+            produced += k
+            if not active[i]:
+                self._finish(s, self._reason(s))
+        with self._cv:
+            occupied = int(emitted[:n].sum())
+            for c in (self._counters, self._window):
+                c["decode_steps"] += int(n)
+                c["slot_steps"] += occupied
+                if queued:
+                    c["queued_steps"] += int(n)
+                    c["queued_slot_steps"] += occupied
+        return produced
+
+    def _record(self, s: _Sample, tokens, logps) -> None:
+        k = len(tokens)
+        s.tokens.append(np.asarray(tokens, np.int32))
+        s.logps.append(np.asarray(logps, np.float32))
+        s.versions.append(np.full((k,), self._version, np.int32))
+        s.kv_versions.append(np.full((k,), s.kv_version, np.int32))
+        s.n_generated += k
+
+    def _reason(self, s: _Sample) -> str:
+        last = int(s.tokens[-1][-1])
+        return "stop" if last in set(s.request.params.stop_token_ids or ()) else "length"
+
+    def _finish(self, s: _Sample, reason: str) -> None:
+        """Returns a sample (finished or aborted) and frees its slot and KV reservation."""
+        if s.start_version < 0:  # aborted before admission
+            s.start_version = s.kv_version = self._version
+        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt))
+        completion = Completion(
+            request_id=s.request.request_id, sample_index=s.index, prompt_ids=s.prompt,
+            token_ids=cat(s.tokens, np.int32), logp_behaviour=cat(s.logps, np.float32),
+            version=cat(s.versions, np.int32), kv_version=cat(s.kv_versions, np.int32),
+            finish_reason=reason, start_version=s.start_version, engine_id=self.engine_id,
+            submit_time=s.submit_time, start_time=s.start_time, finish_time=time.time())
+        with self._cv:
+            if s in self._slots:
+                self._slots[self._slots.index(s)] = None
+                self._reserved -= s.limit
+            rid = s.request.request_id
+            self._live[rid] -= 1
+            if not self._live[rid]:
+                del self._live[rid]
+            self._outbox.append(completion)
+            self._counters["completed_samples"] += 1
+            self._cv.notify_all()
+
+    def _abort_all(self) -> None:
+        with self._cv:
+            queued = list(self._queue)
+            self._queue.clear()
+        running = [s for s in self._slots if s is not None]
+        for s in queued + running:
+            self._finish(s, "abort")
+        if running:
+            try:
+                self._slots_dev = self._fns.release(self._slots_dev,
+                                                    np.ones((self.num_slots,), bool))
+            except Exception:  # noqa: BLE001 - the device may be what failed
+                pass
+
+    def warmup(self) -> int:
+        """Compiles every (prefill batch, prompt length) and cache-length program up front,
+        so serving never stalls on a compile. Changes no state; returns the programs run."""
+        n = 0
+        with self._step_mutex:
+            for bp in self.batch_buckets:
+                for t in self.prefill_buckets:
+                    self._cache, self._slots_dev, out = self._fns.prefill(
+                        self._params, self._cache, self._slots_dev, np.zeros((bp, t), np.int32),
+                        np.ones((bp,), np.int32), np.full((bp,), self.num_slots, np.int32),
+                        RowParams(**self._row_params(bp)))
+                    jax.block_until_ready(out)
+                    n += 1
+            for cache_len in self.cache_buckets:
+                # Decode with every slot inactive runs zero steps and leaves the cache as is.
+                active = self._slots_dev.active
+                idle = self._slots_dev._replace(active=jnp.zeros_like(active))
+                self._cache, idle, out = self._fns.decode(
+                    self._params, self._cache, idle, False, cache_len=cache_len)
+                self._slots_dev = idle._replace(active=active)
+                jax.block_until_ready(out)
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ control
+
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+        with self._step_mutex:  # returns once the step in progress (if any) has ended
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def health(self) -> Dict[str, Any]:
+        with self._cv:
+            return {"ok": self._error is None and not self._closed, "version": self._version,
+                    "running": self._thread is not None and self._thread.is_alive(),
+                    "paused": self._paused, "closed": self._closed, "error": self._error,
+                    "engine_id": self.engine_id}
+
+    def stats(self) -> Dict[str, Any]:
+        now = time.perf_counter()
+        with self._cv:
+            w, c = self._window, self._counters
+            span = max(now - self._window_start, 1e-9)
+            running = [s for s in self._slots if s is not None]
+            out = {
+                "engine_id": self.engine_id,
+                "version": self._version,
+                "num_slots": self.num_slots,
+                "active_slots": len(running),
+                "queued_samples": len(self._queue),
+                "queued_requests": len({s.request.request_id for s in self._queue}),
+                "kv_tokens_in_use": sum(s.pos + 1 for s in running),
+                "kv_tokens_reserved": self._reserved,
+                "kv_budget_tokens": self.kv_budget,
+                # averages over the window since the previous stats() call
+                "window_s": span,
+                "tokens_per_s": w["tokens"] / span,
+                "busy_fraction": min(w["busy_s"] / span, 1.0),
+                "slot_occupancy": w["slot_steps"] / max(w["decode_steps"] * self.num_slots, 1),
+                "occupancy_while_queued": (w["queued_slot_steps"]
+                                           / max(w["queued_steps"] * self.num_slots, 1)),
+                "window_decode_steps": w["decode_steps"],
+                # totals since the engine started
+                "decode_steps": c["decode_steps"],
+                "generated_tokens": c["tokens"],
+                "completed_samples": c["completed_samples"],
+                "prefill_calls": c["prefill_calls"],
+                "updates_applied": c["updates_applied"],
+                "compiled_programs": sum(f._cache_size() for f in (
+                    self._fns.prefill, self._fns.decode, self._fns.release)),
+            }
+            self._window = collections.Counter()
+            self._window_start = now
+            return out
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        with self._step_mutex:
+            self._abort_all()

@@ -1,0 +1,840 @@
+"""`SGLangEngine`: rollouts from SGLang servers over HTTP, behind the `InferenceEngine` API.
+
+At scale, sampling runs on SGLang servers on their own GPUs while the JAX learner trains
+elsewhere. This engine is a drop-in for the embedded `JaxEngine`: the rollout worker submits
+`GenerationRequest`s and reads `Completion`s with per-token `logp_behaviour`, `version` and
+`kv_version`; the learner's versions reach the servers through `update_weights`.
+
+Generation. One HTTP `POST /generate` per request (servers run with `--skip-tokenizer-init`;
+we send `input_ids` and read `output_ids`): a request with a seed is sent in SGLang's batched
+form, its `n` samples as `n` copies of the prompt, each with its own `sampling_seed` (SGLang's
+seeded sampler hashes (seed, position), so `n` copies sharing one seed would be identical);
+without a seed it uses `sampling_params.n`. Both answers are flat lists, prompt-major. Requests
+are not merged across prompts: a group is returned as soon as its own samples finish. The wire
+format (bodies, answer parsing, version spans) is in `sglang_protocol.py`.
+A pool of threads (one per request in flight) sends them; a server takes at most
+`sglang.concurrency_per_server` samples at once, and each request goes to the healthy server
+with the fewest samples in flight (least-loaded routing).
+
+Refit. `update_weights(path, version)` runs on all servers concurrently:
+`/pause_generation {mode}` → `/update_weights_from_disk {model_path, weight_version:
+str(version), flush_cache}` → `/continue_generation`, timed per server (`stats()['servers']`).
+Updates are coalesced: while one refit runs, only the newest pending version is applied next.
+`/update_weight_version` is never called (it aborts every request unless told not to).
+
+Provenance. `version[t]` comes from the server: recent SGLang reports per-token spans
+(`meta_info.weight_versions`, labels = our integer versions); older servers report only the
+version at answer time (`meta_info.weight_version`). Then, if the server was refit while the
+request ran, the split point is unknown and every token gets the version the server had when
+the request was sent (the oldest possible: lag is over- never under-stated) and the sample
+is counted in `stats()['inexact_provenance_samples']`; `pause_mode='abort'` avoids this.
+SGLang does not report KV provenance; we record what each pause mode implies:
+  'in_place'  requests keep their KV across the update (`flush_cache=false`): every token of a
+              server request attended to KV written from its first token on, so
+              `kv_version[t]` = version of the request's first token (PipelineRL's 'keep');
+  'retract'   running requests are retracted, the cache flushed and the KV recomputed with the
+              new weights on resume (AReaL's 'recompute'): `kv_version[t] = version[t]`;
+  'abort'     running requests are aborted and resubmitted with their prefix (see below), a new
+              request prefilled with the new weights: `kv_version[t] = version[t]`.
+
+Robustness. Startup waits up to `health_deadline_s` for `/health`. 502/503/504 and connection
+errors are retried with exponential backoff and jitter. A 4xx is the request's fault: it
+surfaces as `RequestError` (naming request, server and the server's message) from
+`generate()` / `get_completions()`. A sample the server aborted is resubmitted with its prefix
+(prompt + tokens so far, `max_new_tokens` reduced, provenance of the generated part kept) up to
+`max_resubmits` times (`on_abort='resubmit'`), or returned with finish reason 'abort' and
+counted (`on_abort='drop'`: the group stays whole; the reward treats it as truncated). A
+server that stays unreachable is removed from routing, its requests go to the others, and it
+is reported in `health()` / `stats()`; a monitor re-probes it and, once it answers, refits
+it to the current version before routing to it again.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import ml_collections
+import numpy as np
+
+from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
+                                           validate_request)
+from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
+                                                  parse_url)
+from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
+                                                    answer_items, generate_body, parse_output,
+                                                    version_of)
+from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.types import Completion, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("retract", "in_place", "abort")
+ABORT_POLICIES = ("resubmit", "drop")
+
+
+# ---------------------------------------------------------------------------- config
+
+def sglang_config() -> ml_collections.ConfigDict:
+    """Defaults of the `sglang` config section (validated by `validate_sglang_config`)."""
+    c = ml_collections.ConfigDict()
+    c.urls = ()  # 'http://host:port' of every server; split among rollout workers
+    c.concurrency_per_server = 64  # samples in flight per server (routing limit)
+    c.connect_timeout_s = 5.0
+    c.request_timeout_s = 3600.0  # one /generate call (long generations)
+    c.control_timeout_s = 600.0  # /pause_generation, /update_weights_from_disk, ...
+    c.health_deadline_s = 600.0  # wait this long for /health at startup
+    c.health_check_interval_s = 5.0  # re-probe servers that were removed
+    c.max_retries = 5  # per HTTP call, for 502/503/504, connection errors and timeouts
+    c.backoff_initial_s = 0.1  # retry k waits ~ initial * 2^k (jittered), at most backoff_max_s
+    c.backoff_max_s = 5.0
+    c.pause_mode = "retract"  # 'retract' | 'in_place' | 'abort' during a refit
+    c.on_abort = "resubmit"  # 'resubmit' (prefix kept) | 'drop' (returned as 'abort')
+    c.max_resubmits = 8  # per sample
+    c.api_key = ""  # for servers started with --api-key
+    return c
+
+
+def validate_sglang_config(cfg, prefix: str = "sglang", *, required: bool = False,
+                           num_workers: int = 1) -> None:
+    """Raises `ConfigError` naming the first bad key; `required` when sampler.kind='sglang'."""
+    k = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
+    root = cfg
+    for part in reversed(prefix.split(".") if prefix else []):
+        root = {part: root}
+    cfg_lib.check_keys(cfg, prefix, sglang_config().keys())
+    urls = cfg["urls"]
+    if isinstance(urls, str) or not isinstance(urls, (tuple, list)):
+        raise cfg_lib.ConfigError(k("urls"), f"must be a tuple of 'http://host:port' strings, "
+                                             f"got {urls!r}")
+    for u in urls:
+        try:
+            parse_url(u)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise cfg_lib.ConfigError(k("urls"), str(e)) from None
+    if len(set(urls)) != len(urls):
+        raise cfg_lib.ConfigError(k("urls"), f"lists a server twice: {tuple(urls)}")
+    if required and len(urls) < num_workers:
+        raise cfg_lib.ConfigError(k("urls"), f"{len(urls)} server(s) for {num_workers} rollout "
+                                             "worker(s) (sampler.kind='sglang'): each worker "
+                                             "needs at least one server of its own")
+    for name in ("concurrency_per_server", "max_resubmits"):
+        cfg_lib.positive_int(root, k(name), allow_zero=name == "max_resubmits")
+    cfg_lib.positive_int(root, k("max_retries"), allow_zero=True)
+    for name in ("connect_timeout_s", "request_timeout_s", "control_timeout_s",
+                 "health_deadline_s", "health_check_interval_s", "backoff_initial_s",
+                 "backoff_max_s"):
+        cfg_lib.number(root, k(name), lo=0.0, lo_open=True)
+    cfg_lib.one_of(root, k("pause_mode"), PAUSE_MODES)
+    cfg_lib.one_of(root, k("on_abort"), ABORT_POLICIES)
+    if not isinstance(cfg["api_key"], str):
+        raise cfg_lib.ConfigError(k("api_key"), f"must be a string, got {cfg['api_key']!r}")
+
+
+# ---------------------------------------------------------------------------- state
+
+class _Server:
+    def __init__(self, client: ServerClient, capacity: int):
+        self.client, self.url, self.capacity = client, client.url, capacity
+        self.up = False
+        self.reason: Optional[str] = "not checked yet"  # why it is out of routing
+        self.in_flight = 0  # samples
+        self.jobs: set = set()
+        self.version: Optional[int] = None  # last version installed here
+        self.refits, self.refit_s_total, self.last_refit_s = 0, 0.0, None
+        self.refit_error: Optional[str] = None  # the last failed load, until one succeeds
+        self.counts: collections.Counter = collections.Counter()
+
+
+# ---------------------------------------------------------------------------- engine
+
+class SGLangEngine(InferenceEngine):
+    """Samples from SGLang servers (module docstring). Thread-safe.
+
+    `urls`: the servers. `vocab_size` / `max_seq_len`: the model's, for request validation
+    and the context cap (a sample ends with 'length' when prompt + tokens reach
+    `max_seq_len`). `version`: the engine's starting version (None: read the servers'
+    `weight_version`). `weights_dir` and `model_config`: where and how `update_weights`
+    writes weights given as arrays (a path is used as is). `wait_ready=False` skips the
+    startup wait for /health (every server is routed to at once).
+    """
+
+    def __init__(self, urls: Sequence[str], config: Optional[Mapping] = None, *,
+                 vocab_size: int, max_seq_len: int, version: Optional[int] = None,
+                 engine_id: str = "sglang", weights_dir: Optional[str] = None,
+                 model_config: Any = None, wait_ready: bool = True):
+        cfg = sglang_config()
+        if config is not None:
+            cfg.update(dict(config))
+        cfg.urls = tuple(urls)
+        validate_sglang_config(cfg, required=True)
+        self.config = cfg
+        self.engine_id = engine_id
+        self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
+        self.weights_dir, self.model_config = weights_dir, model_config
+        retry = RetryPolicy(cfg.backoff_initial_s, cfg.backoff_max_s)
+        self._servers = [_Server(ServerClient(u, connect_timeout_s=cfg.connect_timeout_s,
+                                              max_retries=cfg.max_retries, retry=retry,
+                                              api_key=cfg.api_key),
+                                 cfg.concurrency_per_server) for u in cfg.urls]
+        self.num_slots = cfg.concurrency_per_server * len(self._servers)
+
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._pending: collections.deque = collections.deque()  # jobs not yet sent
+        self._outbox: collections.deque = collections.deque()
+        self._failures: Dict[str, str] = {}  # request id -> message (4xx, protocol)
+        self._live: Dict[str, List[Sample]] = {}  # request id -> its unfinished samples
+        self._aborted: set = set()
+        self._paused = self._closed = False
+        self._job_seq = 0
+        self._counters: collections.Counter = collections.Counter()
+        self._window: collections.Counter = collections.Counter()
+        self._window_start = self._last_change = time.perf_counter()
+        self._in_flight = 0
+        # weights: newest accepted, live, and the refit in progress / pending
+        self._version = -1
+        self._newest = -1
+        self._path: Optional[str] = None  # directory of the live version
+        self._refit_target = None  # (seq, path, version)
+        self._refit_seq = self._refit_done = 0
+        self._refit_error: Dict[int, str] = {}
+
+        if wait_ready:
+            self._wait_ready(cfg.health_deadline_s)
+        else:
+            for s in self._servers:
+                s.up, s.reason = True, None
+        for s in self._servers:
+            if s.up:
+                s.version = version_of(self._model_info(s))
+        if version is None:
+            version = min((s.version for s in self._servers if s.up), default=-1)
+        self._version = self._newest = int(version)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.num_slots + len(self._servers), thread_name_prefix=f"{engine_id}-http")
+        self._threads = [threading.Thread(target=f, daemon=True, name=f"{engine_id}-{n}")
+                         for n, f in (("dispatch", self._dispatch_loop),
+                                      ("refit", self._refit_loop),
+                                      ("monitor", self._monitor_loop))]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ startup / health
+
+    def _wait_ready(self, deadline_s: float) -> None:
+        deadline = time.monotonic() + deadline_s
+
+        def wait(s: _Server):
+            while not self._stop.is_set():
+                if s.client.healthy(timeout=min(5.0, deadline_s)):
+                    s.up, s.reason = True, None
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    s.reason = f"no healthy /health within {deadline_s}s"
+                    return
+                time.sleep(min(0.2, left))
+
+        threads = [threading.Thread(target=wait, args=(s,), daemon=True) for s in self._servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not any(s.up for s in self._servers):
+            raise TimeoutError(f"no SGLang server answered /health within {deadline_s}s "
+                               f"(sglang.health_deadline_s): {list(self.config.urls)}")
+        for s in self._servers:
+            if not s.up:
+                log.warning("SGLang server %s is not ready (%s); routing around it", s.url,
+                            s.reason)
+
+    def _model_info(self, s: _Server) -> Any:
+        try:
+            return (s.client.get("/get_model_info", timeout=self.config.control_timeout_s)
+                    or {}).get("weight_version")
+        except (HTTPError, ServerUnavailable):
+            return None
+
+    def _mark_down(self, s: _Server, reason: str) -> None:
+        with self._cv:
+            if s.up:
+                log.warning("SGLang server %s removed from routing: %s", s.url, reason)
+                s.counts["removed"] += 1
+            s.up, s.reason = False, reason
+            self._cv.notify_all()
+
+    def _monitor_loop(self) -> None:
+        """Re-admits removed servers that answer /health again, after refitting them to the
+        live version (always: a server that comes back may have been restarted)."""
+        while not self._stop.wait(self.config.health_check_interval_s):
+            for s in [s for s in self._servers if not s.up]:
+                if self._stop.is_set() or not s.client.healthy(timeout=5.0):
+                    continue
+                with self._cv:
+                    path, version = self._path, self._version
+                if path is not None:  # it may have restarted from its launch checkpoint
+                    ok, msg = self._refit_server(s, path, version)
+                    if not ok:
+                        s.reason = f"answers /health but cannot be refit: {msg}"
+                        continue
+                with self._cv:
+                    if self._version != version:  # a newer one went live meanwhile: again
+                        continue
+                    s.up, s.reason = True, None
+                    s.counts["readmitted"] += 1
+                    self._cv.notify_all()
+                log.warning("SGLang server %s is back in routing", s.url)
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def submit(self, request: GenerationRequest) -> None:
+        prompt = validate_request(request, self.vocab_size, self.max_seq_len)
+        p = request.params
+        max_new = min(int(p.max_new_tokens), self.max_seq_len - len(prompt))
+        now = time.time()
+        n = int(p.n)
+        seeds: List[Optional[int]] = [None] * n
+        if p.seed is not None:  # one sampling_seed per sample (see module docstring)
+            seeds = [int(np.random.default_rng([int(p.seed) % 2**63, i]).integers(2**31))
+                     for i in range(n)]
+        samples = [Sample(request, i, prompt, seeds[i], max_new, now) for i in range(n)]
+        with self._cv:
+            self._check_open()
+            if request.request_id in self._live:
+                raise RequestError(f"request {request.request_id!r}: request_id is already "
+                                   "in flight on this engine")
+            self._live[request.request_id] = list(samples)
+            self._enqueue(Job(samples, self._name(request.request_id)))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError(f"engine {self.engine_id} is closed")
+
+    def _name(self, rid: str) -> str:
+        self._job_seq += 1
+        return f"{rid}/{self._job_seq}"
+
+    def _enqueue(self, job: Job) -> None:  # holds _cv
+        self._pending.append(job)
+        self._cv.notify_all()
+
+    def get_completions(self, timeout: Optional[float] = 0.0,
+                        max_items: Optional[int] = None) -> List[Completion]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while not self._outbox and not self._failures:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or self._closed:
+                    break
+                self._cv.wait(left)
+            if self._failures:
+                rid, msg = next(iter(self._failures.items()))
+                del self._failures[rid]
+                raise RequestError(msg)
+            n = len(self._outbox) if max_items is None else min(max_items, len(self._outbox))
+            return [self._outbox.popleft() for _ in range(n)]
+
+    def generate(self, requests: Sequence[GenerationRequest],
+                 timeout: Optional[float] = None) -> List[Completion]:
+        requests = list(requests)
+        for r in requests:  # all or nothing
+            validate_request(r, self.vocab_size, self.max_seq_len)
+        for r in requests:
+            self.submit(r)
+        wanted = {r.request_id for r in requests}
+        total = sum(int(r.params.n) for r in requests)
+        got: Dict[tuple, Completion] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                failed = wanted & set(self._failures)
+                if failed:
+                    rid = sorted(failed)[0]
+                    raise RequestError(self._failures.pop(rid))
+                for c in [c for c in self._outbox if c.request_id in wanted]:
+                    self._outbox.remove(c)
+                    got[(c.request_id, c.sample_index)] = c
+                if len(got) >= total:
+                    break
+                if self._closed:
+                    raise EngineClosedError("engine closed during generate")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"generate: {total - len(got)} samples unfinished after "
+                                       f"{timeout}s")
+                self._cv.wait(min(left, 1.0) if left is not None else 1.0)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        return sorted(got.values(), key=lambda c: (order[c.request_id], c.sample_index))
+
+    def abort(self, request_id: str) -> int:
+        """Queued samples end at once; running ones when their server answers the abort
+        (with the tokens generated so far). Returns how many samples were unfinished."""
+        with self._cv:
+            samples = [s for s in self._live.get(request_id, []) if not s.done]
+            if not samples:
+                return 0
+            self._aborted.add(request_id)
+            queued = [j for j in self._pending if j.samples[0].request.request_id == request_id]
+            for j in queued:
+                self._pending.remove(j)
+            running = [j for s in self._servers for j in s.jobs
+                       if j.samples[0].request.request_id == request_id]
+            for j in queued:
+                for smp in j.samples:
+                    self._finish(smp, "abort")
+        for j in running:  # the server answers them with finish_reason 'abort'
+            self._abort_on_server(j)
+        return len(samples)
+
+    def _abort_on_server(self, job: Job) -> None:
+        s = job.server
+        if s is None:
+            return
+        for rid in abort_rids(job):
+            try:
+                s.client.post("/abort_request", {"rid": rid, "abort_all": False},
+                              timeout=self.config.control_timeout_s, retries=1)
+            except (HTTPError, ServerUnavailable) as e:
+                log.warning("abort of %s on %s failed: %s", rid, s.url, e)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _pick_server(self) -> Optional[_Server]:  # holds _cv
+        ready = [s for s in self._servers if s.up and s.in_flight < s.capacity]
+        return min(ready, key=lambda s: s.in_flight / s.capacity) if ready else None
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop.is_set() and (
+                        self._paused or not self._pending or self._pick_server() is None):
+                    self._cv.wait()
+                if self._stop.is_set():
+                    return
+                job = self._pending.popleft()
+                server = self._pick_server()
+                job.server, job.sent_version = server, server.version
+                server.jobs.add(job)
+                self._change_in_flight(server, len(job.samples))
+                now = time.time()
+                for smp in job.samples:
+                    if not smp.start_time:
+                        smp.start_time = now
+            try:
+                self._executor.submit(self._run_job, job)
+            except RuntimeError:  # closed meanwhile: close() returns its samples as 'abort'
+                return
+
+    def _change_in_flight(self, s: _Server, delta: int) -> None:  # holds _cv
+        now = time.perf_counter()
+        for c in (self._counters, self._window):
+            c["slot_s"] += self._in_flight * (now - self._last_change)
+            c["busy_s"] += (now - self._last_change) if self._in_flight else 0.0
+        self._last_change = now
+        self._in_flight += delta
+        s.in_flight += delta
+
+    def _run_job(self, job: Job) -> None:
+        s = job.server
+        error: Optional[str] = None
+        try:
+            answer = s.client.post("/generate", generate_body(job),
+                                   timeout=self.config.request_timeout_s, stop=self._stop)
+            segments = [parse_output(item, job, self.config.pause_mode)
+                        for item in answer_items(answer, job)]
+        except ServerUnavailable as e:
+            self._release(job)
+            if self._stop.is_set():  # closing: close() returns the samples as 'abort'
+                with self._cv:
+                    for smp in job.samples:
+                        self._finish(smp, "abort")
+                return
+            self._mark_down(s, str(e))
+            self._reroute(job, str(e))
+            self._abort_on_server(job)  # in case it is only slow: do not leave the work there
+            return
+        except HTTPError as e:
+            if e.status >= 500:  # the server's fault: another server may serve it
+                self._release(job)
+                with self._cv:
+                    s.counts["errors"] += 1
+                log.warning("%s; sending %s elsewhere", e, job.name)
+                self._reroute(job, str(e))
+                return
+            error = f"server {s.url} rejected it (HTTP {e.status}): {e.message}"
+        except (ProtocolError, KeyError, TypeError, ValueError) as e:
+            error = f"malformed answer from {s.url}: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - never lose a request to a client bug
+            log.exception("request %s failed in the client", job.name)
+            error = f"client error: {type(e).__name__}: {e}"
+        self._release(job)
+        with self._cv:
+            s.counts["requests"] += 1
+            if error is not None:
+                s.counts["errors"] += 1
+                self._fail(job, error)
+                return
+            for smp, seg in zip(job.samples, segments):
+                self._on_segment(smp, seg, s)
+
+    def _release(self, job: Job) -> None:
+        with self._cv:
+            job.server.jobs.discard(job)
+            self._change_in_flight(job.server, -len(job.samples))
+            self._cv.notify_all()
+
+    def _reroute(self, job: Job, why: str) -> None:
+        with self._cv:
+            live = [smp for smp in job.samples if not smp.done]
+            if not live:
+                return
+            job.reroutes += 1
+            self._counters["rerouted_requests"] += 1
+            if job.reroutes > max(self.config.max_retries, len(self._servers)):
+                log.error("giving up on %s after %d servers failed it (last: %s); its samples "
+                          "return with finish reason 'abort'", job.name, job.reroutes, why)
+                for smp in live:
+                    self._counters["failed_samples"] += 1
+                    self._finish(smp, "abort")
+                return
+            self._enqueue(Job(live, self._name(live[0].request.request_id), job.reroutes))
+
+    def _fail(self, job: Job, error: str) -> None:  # holds _cv
+        rid = job.samples[0].request.request_id
+        self._counters["request_errors"] += 1
+        self._failures[rid] = f"request {rid!r}: {error}"
+        for smp in job.samples:
+            smp.done = True
+        self._live.pop(rid, None)
+        self._aborted.discard(rid)
+        self._cv.notify_all()
+
+    # ------------------------------------------------------------------ answers
+
+    def _on_segment(self, smp: Sample, seg: dict, server: _Server) -> None:  # holds _cv
+        if smp.done:
+            return
+        c = len(seg["tokens"])
+        if c:
+            if smp.start_version is None:
+                smp.start_version = int(seg["versions"][0])
+            for key in ("tokens", "logps", "versions", "kv_versions"):
+                getattr(smp, key).append(seg[key])
+        if not seg["exact"]:
+            self._counters["inexact_provenance_segments"] += 1
+            smp.inexact = True
+        for cnt in (self._counters, self._window):
+            cnt["tokens"] += c
+        server.counts["tokens"] += c
+        reason = seg["reason"]
+        rid = smp.request.request_id
+        if reason != "abort" or rid in self._aborted or self._closed:
+            self._finish(smp, reason)
+            return
+        self._counters["server_aborted_segments"] += 1
+        room = min(smp.max_new - smp.n_generated,
+                   self.max_seq_len - len(smp.prompt) - smp.n_generated)
+        if self.config.on_abort == "resubmit" and smp.resubmits < self.config.max_resubmits \
+                and room > 0:
+            smp.resubmits += 1
+            self._counters["resubmitted_samples"] += 1
+            self._enqueue(Job([smp], self._name(rid)))
+        else:
+            self._counters["dropped_aborted_samples"] += 1
+            self._finish(smp, "abort")
+
+    def _finish(self, smp: Sample, reason: str) -> None:  # holds _cv
+        if smp.done:
+            return
+        smp.done = True
+        rid = smp.request.request_id
+        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt))
+        start = smp.start_version if smp.start_version is not None else self._version
+        self._outbox.append(Completion(
+            request_id=rid, sample_index=smp.index, prompt_ids=smp.prompt,
+            token_ids=cat(smp.tokens, np.int32), logp_behaviour=cat(smp.logps, np.float32),
+            version=cat(smp.versions, np.int32), kv_version=cat(smp.kv_versions, np.int32),
+            finish_reason=reason, start_version=int(start), engine_id=self.engine_id,
+            submit_time=smp.submit_time, start_time=smp.start_time or time.time(),
+            finish_time=time.time()))
+        if smp.inexact:
+            self._counters["inexact_provenance_samples"] += 1
+        self._counters["completed_samples"] += 1
+        left = [s for s in self._live.get(rid, []) if not s.done]
+        if not left:
+            self._live.pop(rid, None)
+            self._aborted.discard(rid)
+        self._cv.notify_all()
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, weights: Any, version: int, *, wait: bool = True,
+                       timeout: Optional[float] = None, allow_older: bool = False) -> None:
+        """Refits every server to `weights` (an HF directory, or arrays written to
+        `weights_dir/v{version:08d}` first). See `InferenceEngine.update_weights`;
+        `allow_older` permits going back to an older version (lag injection)."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"update_weights: version must be an integer, got {version!r}")
+        version = int(version)
+        with self._cv:
+            self._check_newer(version, allow_older)
+        path = self._weights_path(weights, version)
+        with self._cv:
+            self._check_newer(version, allow_older)
+            self._refit_seq += 1
+            seq = self._refit_seq
+            self._refit_target = (seq, path, version)
+            self._newest = max(self._newest, version) if not allow_older else version
+            self._cv.notify_all()
+            if not wait:
+                return
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while self._refit_done < seq and not self._closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"update_weights: version {version} not live after "
+                                       f"{timeout}s (engine at {self._version})")
+                self._cv.wait(left)
+            if seq in self._refit_error:
+                raise RuntimeError(self._refit_error.pop(seq))
+            if self._refit_done < seq:
+                raise EngineClosedError(f"engine closed before version {version} went live")
+
+    def _check_newer(self, version: int, allow_older: bool) -> None:  # holds _cv
+        self._check_open()
+        if not allow_older and version <= self._newest:
+            raise ValueError(
+                f"update_weights: version {version} is not newer than the engine's version "
+                f"{self._newest} (live {self._version}); versions must strictly increase, a "
+                "stale or duplicate update is never applied")
+
+    def _weights_path(self, weights: Any, version: int) -> str:
+        if isinstance(weights, (str, os.PathLike)):
+            # Read by the servers, on their hosts: a shared file system, same path everywhere.
+            return os.path.abspath(os.fspath(weights))
+        if not self.weights_dir or self.model_config is None:
+            raise ValueError("update_weights: arrays need SGLangEngine(weights_dir=..., "
+                             "model_config=...) to be written as an HF directory; pass a "
+                             "checkpoint directory instead")
+        from pipelinerl_jax.rollout.sglang_weights import write_hf_version
+        return write_hf_version(weights, self.model_config, self.weights_dir, version)
+
+    def _refit_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop.is_set() and self._refit_target is None:
+                    self._cv.wait()
+                if self._stop.is_set():
+                    return
+                (seq, path, version), self._refit_target = self._refit_target, None
+                servers = [s for s in self._servers if s.up]
+            results = self._refit_all(servers, path, version)
+            ok = [s for s, (good, _) in zip(servers, results) if good]
+            with self._cv:
+                if ok:
+                    self._version, self._path = version, path
+                    self._counters["refits"] += 1
+                elif self._refit_target is not None and not os.path.isdir(path):
+                    # The learner garbage-collected it under a newer version: apply that one.
+                    self._counters["refits_superseded"] += 1
+                else:
+                    msgs = "; ".join(f"{s.url}: {m}" for s, (_, m) in zip(servers, results))
+                    self._refit_error[seq] = (f"update_weights: version {version} could not be "
+                                              f"installed on any server ({msgs or 'none up'})")
+                    self._counters["refit_failures"] += 1
+                    log.error(self._refit_error[seq])
+                self._refit_done = seq
+                self._cv.notify_all()
+
+    def _refit_all(self, servers, path, version) -> list:
+        """`_refit_server` on every server at once; [(ok, message)] in server order."""
+        results: List[Any] = [None] * len(servers)
+
+        def one(i, s):
+            results[i] = self._refit_server(s, path, version)
+        threads = [threading.Thread(target=one, args=(i, s), daemon=True)
+                   for i, s in enumerate(servers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    def _refit_server(self, s: _Server, path: str, version: int):
+        """pause → update_weights_from_disk → continue on one server; (ok, message)."""
+        mode = self.config.pause_mode
+        timeout = self.config.control_timeout_s
+        t0 = time.perf_counter()
+        try:
+            s.client.post("/pause_generation", {"mode": mode}, timeout=timeout)
+            try:
+                answer = s.client.post("/update_weights_from_disk", {
+                    "model_path": path, "weight_version": str(version),
+                    "flush_cache": mode != "in_place", "abort_all_requests": False},
+                    timeout=timeout) or {}
+                if answer.get("success") is False:
+                    raise HTTPError(s.url, "/update_weights_from_disk", 200,
+                                    str(answer.get("message")))
+            finally:
+                with self._cv:
+                    keep_paused = self._paused
+                if not keep_paused:
+                    s.client.post("/continue_generation", {}, timeout=timeout)
+        except HTTPError as e:
+            # SGLang keeps serving its previous weights after a failed load: the server stays
+            # in routing (its tokens carry their true version) and the failure is reported.
+            msg = f"refit to version {version} failed: {e.message}"
+            log.warning("SGLang server %s: %s", s.url, msg)
+            with self._cv:
+                s.refit_error = msg
+            return False, msg
+        except ServerUnavailable as e:
+            self._mark_down(s, str(e))
+            return False, str(e)
+        dt = time.perf_counter() - t0
+        with self._cv:
+            s.version = version
+            s.refits += 1
+            s.refit_s_total += dt
+            s.last_refit_s = dt
+            s.refit_error = None
+        return True, ""
+
+    # ------------------------------------------------------------------ control
+
+    def pause(self) -> None:
+        """Stops sending requests and pauses every server (requests stay on them)."""
+        with self._cv:
+            self._paused = True
+        mode = "retract" if self.config.pause_mode == "abort" else self.config.pause_mode
+        for s in [s for s in self._servers if s.up]:
+            try:
+                s.client.post("/pause_generation", {"mode": mode},
+                              timeout=self.config.control_timeout_s)
+            except (HTTPError, ServerUnavailable) as e:
+                self._mark_down(s, str(e))
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+        for s in [s for s in self._servers if s.up]:
+            try:
+                s.client.post("/continue_generation", {}, timeout=self.config.control_timeout_s)
+            except (HTTPError, ServerUnavailable) as e:
+                self._mark_down(s, str(e))
+
+    def health(self) -> Dict[str, Any]:
+        with self._cv:
+            up = [s.url for s in self._servers if s.up]
+            down = {s.url: s.reason for s in self._servers if not s.up}
+            error = None if up else f"no SGLang server in routing: {down}"
+            return {"ok": error is None and not self._closed, "version": self._version,
+                    "running": not self._closed, "paused": self._paused,
+                    "closed": self._closed, "error": error, "engine_id": self.engine_id,
+                    "servers_up": up, "servers_down": down,
+                    "refit_errors": {s.url: s.refit_error for s in self._servers
+                                     if s.refit_error}}
+
+    def stats(self) -> Dict[str, Any]:
+        with self._cv:
+            now = time.perf_counter()
+            self._change_in_flight(self._servers[0], 0)  # close the occupancy integrals
+            w, c = self._window, self._counters
+            span = max(now - self._window_start, 1e-9)
+            capacity = sum(s.capacity for s in self._servers if s.up)
+            servers = [{
+                "url": s.url, "up": s.up, "reason": s.reason, "in_flight": s.in_flight,
+                "version": s.version, "refits": s.refits, "last_refit_s": s.last_refit_s,
+                "refit_error": s.refit_error,
+                "mean_refit_s": s.refit_s_total / s.refits if s.refits else None,
+                "requests": s.counts["requests"], "errors": s.counts["errors"],
+                "tokens": s.counts["tokens"], "removed": s.counts["removed"],
+                "retries": s.client.retries} for s in self._servers]
+            refit_times = [s.last_refit_s for s in self._servers if s.last_refit_s is not None]
+            out = {
+                "engine_id": self.engine_id, "version": self._version,
+                "num_slots": capacity, "active_slots": self._in_flight,
+                "queued_samples": sum(len(j.samples) for j in self._pending),
+                "queued_requests": len(self._pending),
+                # averages over the window since the previous stats() call
+                "window_s": span,
+                "tokens_per_s": w["tokens"] / span,
+                "busy_fraction": min(w["busy_s"] / span, 1.0),
+                "slot_occupancy": min(w["slot_s"] / (span * capacity), 1.0) if capacity else 0.0,
+                "window_decode_steps": 0,  # SGLang does not report its decode steps
+                # totals
+                "generated_tokens": c["tokens"], "completed_samples": c["completed_samples"],
+                "refits": c["refits"], "last_refit_s": max(refit_times) if refit_times else None,
+                "refit_failures": c["refit_failures"],
+                "refits_superseded": c["refits_superseded"],
+                "retries": sum(s.client.retries for s in self._servers),
+                "rerouted_requests": c["rerouted_requests"],
+                "request_errors": c["request_errors"],
+                "server_aborted_segments": c["server_aborted_segments"],
+                "resubmitted_samples": c["resubmitted_samples"],
+                "dropped_aborted_samples": c["dropped_aborted_samples"],
+                "failed_samples": c["failed_samples"],
+                "inexact_provenance_samples": c["inexact_provenance_samples"],
+                "servers_up": sum(s.up for s in self._servers),
+                "servers_down": [s.url for s in self._servers if not s.up],
+                "servers": servers,
+            }
+            self._window = collections.Counter()
+            self._window_start = now
+            return out
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            self._cv.notify_all()
+            running = [j for s in self._servers for j in s.jobs]
+            queued = list(self._pending)
+            self._pending.clear()
+            for j in queued:
+                for smp in j.samples:
+                    self._finish(smp, "abort")
+        for j in running:  # the servers answer them (finish reason 'abort', partial tokens)
+            self._abort_on_server(j)
+        with self._cv:
+            deadline = time.monotonic() + min(5.0, self.config.control_timeout_s)
+            while any(s.jobs for s in self._servers) and time.monotonic() < deadline:
+                self._cv.wait(0.1)
+            for j in [j for s in self._servers for j in s.jobs]:
+                for smp in j.samples:
+                    self._finish(smp, "abort")
+        for s in self._servers:  # unblocks threads still waiting on an unresponsive server
+            s.client.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+# ---------------------------------------------------------------------------- factory
+
+def make_sglang_engine(cfg, index: int, workdir: str) -> SGLangEngine:
+    """The engine of rollout worker `index`: servers `urls[index::num_workers]`, version -1
+    (no usable weights until the learner's first version is installed)."""
+    from pipelinerl_jax.models.factory import resolve_model_config
+    from pipelinerl_jax.rollout.factory import weights_dir
+    from pipelinerl_jax.tokenizers import get_tokenizer
+    validate_sglang_config(cfg.sglang, "sglang", required=True,
+                           num_workers=cfg.rollout.num_workers)
+    urls = tuple(cfg.sglang.urls)[index::cfg.rollout.num_workers]
+    model_cfg = resolve_model_config(cfg.model, get_tokenizer(cfg.tokenizer).vocab_size)
+    return SGLangEngine(urls, cfg.sglang, vocab_size=model_cfg.vocab_size,
+                        max_seq_len=cfg.engine.max_seq_len, version=-1,
+                        engine_id=f"sglang-{index}", weights_dir=weights_dir(cfg, workdir),
+                        model_config=model_cfg)

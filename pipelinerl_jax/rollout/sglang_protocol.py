@@ -1,0 +1,172 @@
+"""SGLang's native `/generate` as the engine speaks it: request bodies and answer parsing.
+
+Pure functions over the engine's bookkeeping (`Sample`: one of the `n` samples of a request;
+`Job`: one HTTP call), kept apart from the engine's threads so they can be read alone.
+Field names follow sglang's `GenerateReqInput` / `SamplingParams` (`srt/managers/io_struct.py`,
+`srt/sampling/sampling_params.py`) and the answers its tokenizer manager builds.
+
+Three request forms (all with `return_logprob: true`, answered prompt-major):
+  single     one sample: `input_ids` [P] (prompt + tokens so far when resubmitted), one answer
+             object;
+  parallel   `n` samples without seeds: one prompt, `sampling_params.n = n`, a list of `n`;
+  batched    `n` samples with seeds: `n` copies of the prompt, one `sampling_seed` each (SGLang's
+             seeded sampler hashes (seed, position), so copies sharing a seed would be equal).
+Server rids are '<request id>/<job number>/<sample index>' (parallel: '<request id>/<job
+number>', whose children the server names itself).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, List, Optional
+
+import numpy as np
+
+from pipelinerl_jax.rollout.sglang_client import HTTPError
+from pipelinerl_jax.types import GenerationRequest
+
+_INT = re.compile(r"^-?\d+$")
+_MISSING = np.iinfo(np.int32).min
+
+
+class ProtocolError(Exception):
+    """An answer that does not have SGLang's shape."""
+
+
+def version_of(label: Any) -> int:
+    """SGLang's `weight_version` label -> our integer version ('default' etc. -> -1)."""
+    s = str(label).strip() if label is not None else ""
+    return int(s) if _INT.match(s) else -1
+
+
+@dataclasses.dataclass(eq=False)
+class Sample:
+    request: GenerationRequest
+    index: int
+    prompt: np.ndarray
+    seed: Optional[int]  # this sample's sampling_seed (None: the server draws)
+    max_new: int  # budget, already capped by the context
+    submit_time: float
+    start_time: float = 0.0
+    start_version: Optional[int] = None
+    tokens: list = dataclasses.field(default_factory=list)  # one array per answered segment
+    logps: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    kv_versions: list = dataclasses.field(default_factory=list)
+    resubmits: int = 0
+    inexact: bool = False  # a server refit mid-request and reported no per-token spans
+    done: bool = False
+
+    @property
+    def n_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def sequence(self) -> List[int]:
+        return np.concatenate([self.prompt, *self.tokens]).astype(np.int64).tolist()
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One /generate call: all `n` samples of a request, or one resubmitted sample."""
+    samples: List[Sample]
+    name: str  # '<request id>/<job number>'
+    reroutes: int = 0
+    server: Any = None  # the engine's server record, once sent
+    sent_version: Optional[int] = None  # that server's version when the job was sent
+
+
+def is_parallel(job: Job) -> bool:
+    """Sent as one prompt with sampling_params.n (several samples, no seeds)."""
+    return len(job.samples) > 1 and job.samples[0].seed is None
+
+
+def sample_rid(job: Job, smp: Sample) -> str:
+    return f"{job.name}/{smp.index}"
+
+
+def abort_rids(job: Job) -> List[str]:
+    """What `/abort_request` needs to stop `job`: each sample's rid, or for parallel sampling
+    the parent rid (recent servers map it to its children; older match rids exactly)."""
+    return [job.name] if is_parallel(job) else [sample_rid(job, smp) for smp in job.samples]
+
+
+def generate_body(job: Job) -> dict:
+    first = job.samples[0]
+    p = first.request.params
+    sp = {"temperature": float(p.temperature), "top_p": float(p.top_p),
+          "top_k": int(p.top_k) if p.top_k > 0 else -1,
+          "stop_token_ids": [int(t) for t in p.stop_token_ids or ()],
+          "no_stop_trim": True}  # the stop token stays in output_ids (and in training)
+    body = {"return_logprob": True}
+    if len(job.samples) == 1:  # a single sample, maybe resubmitted with its prefix
+        body["input_ids"] = first.sequence()
+        body["rid"] = sample_rid(job, first)
+        body["sampling_params"] = dict(sp, max_new_tokens=first.max_new - first.n_generated)
+        if first.seed is not None:
+            body["sampling_params"]["sampling_seed"] = first.seed
+    elif is_parallel(job):
+        body["input_ids"] = first.sequence()
+        body["rid"] = job.name
+        body["sampling_params"] = dict(sp, max_new_tokens=first.max_new, n=len(job.samples))
+    else:  # batched
+        body["input_ids"] = [smp.sequence() for smp in job.samples]
+        body["rid"] = [sample_rid(job, smp) for smp in job.samples]
+        body["sampling_params"] = [dict(sp, max_new_tokens=smp.max_new, sampling_seed=smp.seed)
+                                   for smp in job.samples]
+    return body
+
+
+def answer_items(answer: Any, job: Job) -> list:
+    """The answer's output objects, one per sample of `job`, in its order."""
+    items = [answer] if isinstance(answer, dict) else answer
+    if not isinstance(items, list) or len(items) != len(job.samples):
+        raise ProtocolError(f"expected {len(job.samples)} outputs, got {type(answer).__name__}"
+                            f" of {len(items) if isinstance(items, list) else '?'}")
+    return items
+
+
+def parse_output(item: dict, job: Job, pause_mode: str) -> dict:
+    """One output object -> {tokens, logps, versions, kv_versions, reason, exact}.
+
+    versions: `meta_info.weight_versions` spans when present, else (older servers) the label
+    at answer time if the server was not refit meanwhile, else the version it had when the
+    job was sent, for every token (`exact=False`). kv_versions: by pause mode, see the
+    engine's docstring ('in_place': the segment's first version; else equal to versions).
+    """
+    meta = item["meta_info"]
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        raise ProtocolError("meta_info.output_token_logprobs missing (return_logprob)")
+    ids = item.get("output_ids")
+    tokens = [int(p[1]) for p in pairs] if ids is None else [int(t) for t in ids]
+    if len(pairs) != len(tokens) or any(int(p[1]) != t for p, t in zip(pairs, tokens)):
+        raise ProtocolError("output_token_logprobs do not match output_ids")
+    if any(p[0] is None for p in pairs):
+        raise ProtocolError("a generated token has no log-prob")
+    fr = meta.get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind not in ("stop", "length", "abort"):
+        raise ProtocolError(f"unknown finish_reason {fr!r}")
+    if kind == "abort" and isinstance(fr, dict) and fr.get("status_code") == 400:
+        raise HTTPError(job.server.url, "/generate", 400, str(fr.get("message")))
+    c = len(tokens)
+    versions, exact = token_versions(meta, c, job.sent_version)
+    kv = np.full((c,), versions[0], np.int32) if pause_mode == "in_place" and c \
+        else versions.copy()
+    return dict(tokens=np.asarray(tokens, np.int32),
+                logps=np.asarray([float(p[0]) for p in pairs], np.float32),
+                versions=versions, kv_versions=kv, reason=kind, exact=exact)
+
+
+def token_versions(meta: dict, c: int, sent_version: Optional[int]):
+    """(int32 [c] versions, exact) of one output's tokens (see `parse_output`)."""
+    spans = meta.get("weight_versions")
+    if isinstance(spans, list) and spans:
+        out = np.full((c,), _MISSING, np.int32)
+        for sp in spans:
+            out[int(sp["start"]):int(sp["end"])] = version_of(sp["version"])
+        if not (out == _MISSING).any():
+            return out, True
+    at_end = version_of(meta.get("weight_version"))
+    sent = at_end if sent_version is None else sent_version
+    return np.full((c,), min(sent, at_end), np.int32), sent == at_end or c == 0

@@ -1,0 +1,97 @@
+"""The SGLang wire format on its own: request bodies of the three forms, answer parsing
+(per-token version spans, the fallback without them, KV versions by pause mode, malformed
+answers), and the error messages taken from SGLang's error bodies."""
+import types
+
+import numpy as np
+import pytest
+
+from pipelinerl_jax.rollout.sglang_client import HTTPError, error_message
+from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
+                                                    answer_items, generate_body, parse_output,
+                                                    version_of)
+from tests.rollout.conftest import request
+
+
+def job(n=1, seed=None, tokens=(), sent_version=3):
+    r = request("q", [5, 6, 7], max_new_tokens=10, n=n, temperature=0.5, top_k=0,
+                stop_token_ids=(2,))
+    samples = [Sample(r, i, r.prompt_ids, None if seed is None else seed + i, 10, 0.0)
+               for i in range(n)]
+    if tokens:
+        samples[0].tokens.append(np.asarray(tokens, np.int32))
+    return Job(samples, "q/4", server=types.SimpleNamespace(url="http://s:1"),
+               sent_version=sent_version)
+
+
+def test_request_forms():
+    single = generate_body(job(tokens=(9, 9)))  # a resubmitted sample: prefix, reduced budget
+    assert single["input_ids"] == [5, 6, 7, 9, 9] and single["rid"] == "q/4/0"
+    assert single["sampling_params"] == {"temperature": 0.5, "top_p": 1.0, "top_k": -1,
+                                         "stop_token_ids": [2], "no_stop_trim": True,
+                                         "max_new_tokens": 8}
+    assert single["return_logprob"] is True
+    parallel = generate_body(job(n=3))
+    assert parallel["input_ids"] == [5, 6, 7] and parallel["sampling_params"]["n"] == 3
+    assert abort_rids(job(n=3)) == ["q/4"]
+    batched = generate_body(job(n=3, seed=40))
+    assert batched["input_ids"] == [[5, 6, 7]] * 3 and batched["rid"] == ["q/4/0", "q/4/1", "q/4/2"]
+    assert [sp["sampling_seed"] for sp in batched["sampling_params"]] == [40, 41, 42]
+    assert abort_rids(job(n=3, seed=40)) == batched["rid"]
+
+
+def out(tokens, logps, finish, **meta):
+    return {"output_ids": tokens, "meta_info": dict(
+        finish_reason=finish, output_token_logprobs=[[lp, t, None] for lp, t in zip(logps, tokens)],
+        **meta)}
+
+
+@pytest.mark.parametrize("mode, kv", [("retract", [3, 3, 4, 4]), ("in_place", [3, 3, 3, 3])])
+def test_spans_give_per_token_versions(mode, kv):
+    item = out([1, 2, 3, 4], [-0.5, -1.0, -1.5, -2.0], {"type": "length", "length": 4},
+               weight_version="4", weight_versions=[{"version": "3", "start": 0, "end": 2},
+                                                    {"version": "4", "start": 2, "end": 4}])
+    seg = parse_output(item, job(), mode)
+    assert seg["versions"].tolist() == [3, 3, 4, 4] and seg["exact"]
+    assert seg["kv_versions"].tolist() == kv and seg["reason"] == "length"
+    np.testing.assert_array_equal(seg["logps"], np.float32([-0.5, -1.0, -1.5, -2.0]))
+
+
+def test_without_spans_the_oldest_possible_version_and_inexact():
+    item = out([1, 2], [-1.0, -1.0], {"type": "stop", "matched": 2}, weight_version="5")
+    seg = parse_output(item, job(sent_version=3), "retract")
+    assert seg["versions"].tolist() == [3, 3] and not seg["exact"] and seg["reason"] == "stop"
+    seg = parse_output(item, job(sent_version=5), "retract")
+    assert seg["versions"].tolist() == [5, 5] and seg["exact"]
+    assert version_of("default") == -1 and version_of(" 12 ") == 12
+
+
+@pytest.mark.parametrize("item, error", [
+    (out([1, 2], [-1.0], {"type": "length"}), "do not match output_ids"),
+    ({"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}},
+     "output_token_logprobs missing"),
+    (out([1], [None], {"type": "length"}), "no log-prob"),
+    (out([1], [-1.0], {"type": "paused"}), "unknown finish_reason"),
+])
+def test_malformed_answers(item, error):
+    with pytest.raises(ProtocolError, match=error):
+        parse_output(item, job(), "retract")
+    with pytest.raises(ProtocolError, match="expected 2 outputs"):
+        answer_items([item], job(n=2))
+
+
+def test_abort_with_status_400_is_the_requests_fault():
+    item = out([], [], {"type": "abort", "message": "prompt too long", "status_code": 400})
+    with pytest.raises(HTTPError, match="HTTP 400: prompt too long"):
+        parse_output(item, job(), "retract")
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"error": {"message": "The input is too long."}}', "The input is too long."),
+    (b'{"object": "error", "message": "field required", "type": "Bad Request", "code": 400}',
+     "field required"),
+    (b'{"success": false, "message": "Failed to update weights"}', "Failed to update weights"),
+    (b"Internal Server Error", "Internal Server Error"),
+])
+def test_error_bodies(body, message):
+    assert error_message(body) == message
