@@ -1,6 +1,7 @@
 """The jitted device programs of `JaxEngine`: batched prefill, multi-step decode, slot release.
 
-Device state is a dense KV cache of `max_slots` rows × `max_seq_len` positions plus a
+Device state is a dense KV cache of `max_slots` rows × `max_seq_len` positions (engine
+layout `[B, K, S, X]`, see `decode_step`) plus a
 `SlotState` holding, per slot, the pending token (sampled, its K/V not yet written), its
 position and the slot's sampling parameters. Everything stays on device between calls; a
 call returns only the sampled tokens and log-probs.
@@ -15,8 +16,8 @@ call returns only the sampled tokens and log-probs.
   samples the next. A slot that samples a stop id or reaches its length limit freezes; the
   loop exits early when no slot is active, or, with `stop_on_finish`, as soon as any slot
   finishes (so queued requests get the free slot without waiting for the rest of the chunk).
-  Attention runs over the first `cache_len` positions only (a static bucket ≥ every active
-  position written in the chunk), not over all `max_seq_len`.
+  Attention runs over the first `cache_len` positions only (a static bucket > every active
+  position written in the chunk), not over all `max_seq_len` (see `decode_step`).
 
 Shapes are static per (prefill batch bucket, prompt-length bucket) and per cache-length
 bucket, so steady-state serving compiles nothing new. The compiled programs are cached per
@@ -33,6 +34,7 @@ from flax import nnx
 
 from pipelinerl_jax.models import Decoder, KVCache, init_cache
 from pipelinerl_jax.models.config import ModelConfig
+from pipelinerl_jax.rollout.decode_step import decode_logits, to_engine_layout
 from pipelinerl_jax.rollout.sampling import RowParams, is_stop, sample
 
 
@@ -80,8 +82,9 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         token_b, logp_b = sample(logits_bv, rows, lengths_b, logprob_mode)
         done_b = is_stop(token_b, rows.stop_ids) | (lengths_b + 1 >= rows.limit)
 
-        def put(big, small):
-            return big.at[slot_idx_b, :t].set(small.astype(big.dtype), mode="drop")
+        def put(big, small):  # model layout [Bp, T, K, X] -> engine layout rows [K, T, X]
+            return big.at[slot_idx_b, :, :t].set(to_engine_layout(small).astype(big.dtype),
+                                                 mode="drop")
         cache = KVCache(tuple(map(put, cache.k, fresh.k)), tuple(map(put, cache.v, fresh.v)))
 
         def scatter(dst, src):
@@ -94,39 +97,32 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
     def decode(params, cache: KVCache, slots: SlotState, stop_on_finish, cache_len: int):
         model = nnx.merge(graphdef, params)
         num_slots = slots.token.shape[0]
-        sliced = cache_len < max_seq_len
-        view = jax.tree.map(lambda c: c[:, :cache_len], cache) if sliced else cache
         out_tok = jnp.zeros((steps, num_slots), jnp.int32)
         out_logp = jnp.zeros((steps, num_slots), jnp.float32)
         out_emit = jnp.zeros((steps, num_slots), bool)
 
         def body(carry):
-            i, view, slots, finished, out_tok, out_logp, out_emit = carry
+            i, cache, slots, finished, out_tok, out_logp, out_emit = carry
             active = slots.active
-            # Inactive rows write at an out-of-range position: the scatter drops it.
-            pos = jnp.where(active, slots.pos, cache_len)
-            logits, view = model(slots.token[:, None], positions=pos[:, None], cache=view)
-            token, logp = sample(logits[:, 0], slots.rows, slots.pos + 1, logprob_mode)
+            # Inactive rows write past the end of the cache: the scatter drops it.
+            pos = jnp.where(active, slots.pos, max_seq_len)
+            logits, cache = decode_logits(model, slots.token, pos, cache, cache_len)
+            token, logp = sample(logits, slots.rows, slots.pos + 1, logprob_mode)
             done = active & (is_stop(token, slots.rows.stop_ids)
                              | (slots.pos + 2 >= slots.rows.limit))
             slots = slots._replace(token=jnp.where(active, token, slots.token),
                                    pos=jnp.where(active, slots.pos + 1, slots.pos),
                                    active=active & ~done)
-            return (i + 1, view, slots, finished | jnp.any(done),
+            return (i + 1, cache, slots, finished | jnp.any(done),
                     out_tok.at[i].set(token), out_logp.at[i].set(logp),
                     out_emit.at[i].set(active))
 
         def cond(carry):
-            i, view, slots, finished = carry[:4]
+            i, _, slots, finished = carry[:4]
             return (i < steps) & jnp.any(slots.active) & ~(stop_on_finish & finished)
 
-        init = (jnp.int32(0), view, slots, jnp.bool_(False), out_tok, out_logp, out_emit)
-        n, view, slots, _, out_tok, out_logp, out_emit = jax.lax.while_loop(cond, body, init)
-        if sliced:
-            cache = jax.tree.map(
-                lambda c, v: jax.lax.dynamic_update_slice(c, v, (0,) * c.ndim), cache, view)
-        else:
-            cache = view
+        init = (jnp.int32(0), cache, slots, jnp.bool_(False), out_tok, out_logp, out_emit)
+        n, cache, slots, _, out_tok, out_logp, out_emit = jax.lax.while_loop(cond, body, init)
         return cache, slots, (out_tok, out_logp, out_emit, slots.active, n)
 
     def release(slots: SlotState, free_b):

@@ -43,9 +43,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models import Decoder, flat_params, from_pretrained, init_cache
+from pipelinerl_jax.models import Decoder, flat_params, from_pretrained
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.rollout import engine_steps
+from pipelinerl_jax.rollout.decode_step import init_engine_cache
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES, RowParams
@@ -174,13 +175,13 @@ class JaxEngine(InferenceEngine):
         self._abstract_state = nnx.split(abstract)[1]
         self._param_shardings = sharding_lib.state_shardings(self._abstract_state, self._mesh)
         self._replicated = NamedSharding(self._mesh, P())
-        cache_sharding = NamedSharding(
-            self._mesh, sharding_lib.logical_to_spec((None, None, "kv_heads", None)))
+        cache_sharding = NamedSharding(  # engine layout [slots, kv heads, positions, head_dim]
+            self._mesh, sharding_lib.logical_to_spec((None, "kv_heads", None, None)))
         self._fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
                                           cfg.logprob_mode, cache_sharding)
         self._params = self._materialise(model)
-        self._cache = jax.device_put(init_cache(self.model_config, cfg.max_slots,
-                                                cfg.max_seq_len), cache_sharding)
+        self._cache = jax.device_put(init_engine_cache(self.model_config, cfg.max_slots,
+                                                       cfg.max_seq_len), cache_sharding)
         self._slots_dev = jax.device_put(
             engine_steps.empty_slots(cfg.max_slots, cfg.max_stop_tokens), self._replicated)
 
