@@ -1,6 +1,7 @@
 """The jitted device programs of `JaxEngine`: batched prefill, multi-step decode, slot release.
 
-Device state is a dense KV cache of `max_slots` rows × `max_seq_len` positions plus a
+Device state is a dense KV cache of `max_slots` rows × `max_seq_len` positions (in the
+engine layout of `decode_step`) plus a
 `SlotState` holding, per slot, the pending token (sampled, its K/V not yet written), its
 position and the slot's sampling parameters. Everything stays on device between calls; a
 call returns only the sampled tokens and log-probs.
@@ -10,13 +11,14 @@ call returns only the sampled tokens and log-probs.
   big cache at `slot_idx` (rows with an out-of-range slot are padding and are dropped), takes
   the logits at each prompt's last position and samples its first token. A re-prefill of a
   prompt plus the tokens generated so far (kv_policy='recompute') is the same call.
-* `decode(params, cache, slots, stop_on_finish)` runs up to `steps` decode steps in one
+* `decode(params, cache, slots, refill_at)` runs up to `steps` decode steps in one
   `lax.while_loop`: each step feeds every active slot's pending token at its position and
   samples the next. A slot that samples a stop id or reaches its length limit freezes; the
-  loop exits early when no slot is active, or, with `stop_on_finish`, as soon as any slot
-  finishes (so queued requests get the free slot without waiting for the rest of the chunk).
-  Attention runs over the first `cache_len` positions only (a static bucket ≥ every active
-  position written in the chunk), not over all `max_seq_len`.
+  loop exits early when no slot is active, or, when `refill_at > 0`, as soon as that many
+  slots have finished (so queued samples get the free slots without waiting for the rest of
+  the chunk; waiting for a few frees at a time batches their prefill).
+  Attention runs over the first `cache_len` positions only (a static bucket > every active
+  position written in the chunk), not over all `max_seq_len` (see `decode_step`).
 
 Shapes are static per (prefill batch bucket, prompt-length bucket) and per cache-length
 bucket, so steady-state serving compiles nothing new. The compiled programs are cached per
@@ -33,6 +35,7 @@ from flax import nnx
 
 from pipelinerl_jax.models import Decoder, KVCache, init_cache
 from pipelinerl_jax.models.config import ModelConfig
+from pipelinerl_jax.rollout.decode_step import decode_logits, write_rows
 from pipelinerl_jax.rollout.sampling import RowParams, is_stop, sample
 
 
@@ -57,15 +60,15 @@ def empty_slots(num_slots: int, max_stop_tokens: int) -> SlotState:
 
 class StepFns(NamedTuple):
     prefill: callable
-    decode: callable  # decode(params, cache, slots, stop_on_finish, cache_len=static)
+    decode: callable  # decode(params, cache, slots, refill_at, cache_len=static)
     release: callable
-    graphdef: object
 
 
 @functools.lru_cache(maxsize=None)
 def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode: str,
-             cache_sharding=None) -> StepFns:
-    """Jitted programs for one engine shape (cached: engines of one shape share executables)."""
+             cache_sharding, replicated) -> StepFns:
+    """Jitted programs for one engine shape (cached for the process's lifetime: engines of
+    one shape share executables)."""
     graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))[0]
 
     def prefill(params, cache: KVCache, slots: SlotState, ids_bt, lengths_b, slot_idx_b,
@@ -80,9 +83,7 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         token_b, logp_b = sample(logits_bv, rows, lengths_b, logprob_mode)
         done_b = is_stop(token_b, rows.stop_ids) | (lengths_b + 1 >= rows.limit)
 
-        def put(big, small):
-            return big.at[slot_idx_b, :t].set(small.astype(big.dtype), mode="drop")
-        cache = KVCache(tuple(map(put, cache.k, fresh.k)), tuple(map(put, cache.v, fresh.v)))
+        cache = write_rows(cache, fresh, slot_idx_b)
 
         def scatter(dst, src):
             return dst.at[slot_idx_b].set(src, mode="drop")
@@ -91,53 +92,47 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
                           rows=jax.tree.map(scatter, slots.rows, rows))
         return cache, slots, (token_b, logp_b, done_b)
 
-    def decode(params, cache: KVCache, slots: SlotState, stop_on_finish, cache_len: int):
+    def decode(params, cache: KVCache, slots: SlotState, refill_at, cache_len: int):
         model = nnx.merge(graphdef, params)
         num_slots = slots.token.shape[0]
-        sliced = cache_len < max_seq_len
-        view = jax.tree.map(lambda c: c[:, :cache_len], cache) if sliced else cache
         out_tok = jnp.zeros((steps, num_slots), jnp.int32)
         out_logp = jnp.zeros((steps, num_slots), jnp.float32)
         out_emit = jnp.zeros((steps, num_slots), bool)
 
         def body(carry):
-            i, view, slots, finished, out_tok, out_logp, out_emit = carry
+            i, cache, slots, finished, out_tok, out_logp, out_emit = carry
             active = slots.active
-            # Inactive rows write at an out-of-range position: the scatter drops it.
-            pos = jnp.where(active, slots.pos, cache_len)
-            logits, view = model(slots.token[:, None], positions=pos[:, None], cache=view)
-            token, logp = sample(logits[:, 0], slots.rows, slots.pos + 1, logprob_mode)
+            # Inactive rows write past the end of the cache: the scatter drops it.
+            pos = jnp.where(active, slots.pos, max_seq_len)
+            logits, cache = decode_logits(model, slots.token, pos, cache, cache_len)
+            token, logp = sample(logits, slots.rows, slots.pos + 1, logprob_mode)
             done = active & (is_stop(token, slots.rows.stop_ids)
                              | (slots.pos + 2 >= slots.rows.limit))
             slots = slots._replace(token=jnp.where(active, token, slots.token),
                                    pos=jnp.where(active, slots.pos + 1, slots.pos),
                                    active=active & ~done)
-            return (i + 1, view, slots, finished | jnp.any(done),
+            return (i + 1, cache, slots, finished + jnp.sum(done, dtype=jnp.int32),
                     out_tok.at[i].set(token), out_logp.at[i].set(logp),
                     out_emit.at[i].set(active))
 
         def cond(carry):
-            i, view, slots, finished = carry[:4]
-            return (i < steps) & jnp.any(slots.active) & ~(stop_on_finish & finished)
+            i, _, slots, finished = carry[:4]
+            refill = (refill_at > 0) & (finished >= refill_at)
+            return (i < steps) & jnp.any(slots.active) & ~refill
 
-        init = (jnp.int32(0), view, slots, jnp.bool_(False), out_tok, out_logp, out_emit)
-        n, view, slots, _, out_tok, out_logp, out_emit = jax.lax.while_loop(cond, body, init)
-        if sliced:
-            cache = jax.tree.map(
-                lambda c, v: jax.lax.dynamic_update_slice(c, v, (0,) * c.ndim), cache, view)
-        else:
-            cache = view
+        init = (jnp.int32(0), cache, slots, jnp.int32(0), out_tok, out_logp, out_emit)
+        n, cache, slots, _, out_tok, out_logp, out_emit = jax.lax.while_loop(cond, body, init)
         return cache, slots, (out_tok, out_logp, out_emit, slots.active, n)
 
     def release(slots: SlotState, free_b):
         """Deactivates the slots where `free_b` is set (aborted requests)."""
         return slots._replace(active=slots.active & ~free_b)
 
-    out_cache = cache_sharding
+    # Outputs keep the inputs' placement, so donated buffers are reused and the next call
+    # sees the same shardings (a mismatch costs a slow path on every call).
+    out = (cache_sharding, replicated, replicated)
     return StepFns(
-        prefill=jax.jit(prefill, donate_argnums=(1, 2),
-                        out_shardings=None if out_cache is None else (out_cache, None, None)),
+        prefill=jax.jit(prefill, donate_argnums=(1, 2), out_shardings=out),
         decode=jax.jit(decode, donate_argnums=(1, 2), static_argnames=("cache_len",),
-                       out_shardings=None if out_cache is None else (out_cache, None, None)),
-        release=jax.jit(release, donate_argnums=(0,)),
-        graphdef=graphdef)
+                       out_shardings=out),
+        release=jax.jit(release, donate_argnums=(0,), out_shardings=replicated))

@@ -13,7 +13,8 @@ Scheduling (one `step()`; a background thread calls it in a loop, or a test call
      long requests are never starved by short ones. Admitted samples are prefilled together
      (grouped by length, padded to a prompt-length bucket);
   3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
-     ending early when a slot finishes while samples are queued.
+     ending early, while samples are queued, once `refill_threshold` slots have finished
+     (their slots are refilled by the next step's batched prefill).
 A sample is one of the `n` samples of a request; each finishes and is returned on its own.
 
 Provenance (DESIGN.md): a token gets `version` = the version live when the forward pass that
@@ -43,9 +44,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models import Decoder, flat_params, from_pretrained, init_cache
+from pipelinerl_jax.models import Decoder, flat_params, from_pretrained
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.rollout import engine_steps
+from pipelinerl_jax.rollout.decode_step import init_engine_cache
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES, RowParams
@@ -65,6 +67,9 @@ def engine_config() -> ml_collections.ConfigDict:
     c.cache_buckets = ()  # attention-length buckets of decode; () = 64, 128, ... max_seq_len
     c.max_prefill_batch = 4  # prompts per prefill call (batch buckets: powers of two up to it)
     c.steps_per_sync = 8  # decode steps per device call / host sync
+    # While samples wait, a decode chunk ends once this many slots are free (then they are
+    # refilled with one batched prefill); 0 = auto: min(queued, max(1, max_slots // 8)).
+    c.refill_threshold = 0
     c.kv_policy = "keep"  # 'keep' (PipelineRL) | 'recompute' (AReaL) on a weight update
     c.logprob_mode = "sampled"  # 'sampled' (truncated, renormalised) | 'tempered'
     c.dtype = "float32"  # parameter and compute dtype of the engine's copy of the model
@@ -84,6 +89,7 @@ def validate_engine_config(cfg, prefix: str = "engine") -> None:
                  "max_stop_tokens"):
         cfg_lib.positive_int(root, k(name))
     cfg_lib.positive_int(root, k("kv_budget_tokens"), allow_zero=True)
+    cfg_lib.positive_int(root, k("refill_threshold"), allow_zero=True)
     cfg_lib.positive_int(root, k("seed"), allow_zero=True)
     max_seq_len = cfg["max_seq_len"]
     if max_seq_len < 2:
@@ -138,16 +144,19 @@ class _Sample:
 class JaxEngine(InferenceEngine):
     """Continuous-batching JAX sampler with in-flight weight updates (module docstring).
 
-    `model` is a `Decoder` (its weights are copied) or an HF checkpoint directory. Without
-    `start()` the caller drives it with `step()` (deterministic tests); with `start()` a
-    background thread does, and every public method is thread-safe.
+    `model` is a `Decoder` (its weights are copied) or an HF checkpoint directory; `config`
+    overrides `engine_config()` (a dict or ConfigDict); `version` is the version of the
+    initial weights; `mesh` places the parameters by the logical-axis rules (default: one
+    device). Without `start()` the caller drives the engine with `step()` (deterministic
+    tests); with `start()` (or `start=True`) a background thread does, and every public
+    method is thread-safe.
     """
 
     def __init__(self, model: Any, config: Optional[Mapping] = None, *, version: int = 0,
                  engine_id: str = "jax-engine", mesh=None, start: bool = False):
         cfg = engine_config()
         if config is not None:
-            cfg.update(dict(config))
+            cfg.update(config)
         validate_engine_config(cfg)
         self.config = cfg
         self.engine_id = engine_id
@@ -167,6 +176,10 @@ class JaxEngine(InferenceEngine):
         self.prefill_buckets = _buckets(cfg.prefill_buckets, 16, cfg.max_seq_len)
         self.cache_buckets = _buckets(cfg.cache_buckets, 64, cfg.max_seq_len)
         self.batch_buckets = _buckets((), 1, cfg.max_prefill_batch)
+        # Hot-path settings as plain attributes (ConfigDict lookups are slow).
+        self._steps = cfg.steps_per_sync
+        self._refill = cfg.refill_threshold or max(1, cfg.max_slots // 8)
+        self._max_stops = cfg.max_stop_tokens
 
         # ---- device state: parameters, KV cache, per-slot state
         self._mesh = mesh if mesh is not None else sharding_lib.make_mesh((1, 1, 1))
@@ -174,13 +187,13 @@ class JaxEngine(InferenceEngine):
         self._abstract_state = nnx.split(abstract)[1]
         self._param_shardings = sharding_lib.state_shardings(self._abstract_state, self._mesh)
         self._replicated = NamedSharding(self._mesh, P())
-        cache_sharding = NamedSharding(
-            self._mesh, sharding_lib.logical_to_spec((None, None, "kv_heads", None)))
+        cache_sharding = NamedSharding(  # engine layout: [slots, kv heads, ...]
+            self._mesh, sharding_lib.logical_to_spec((None, "kv_heads", None, None)))
         self._fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
-                                          cfg.logprob_mode, cache_sharding)
+                                          cfg.logprob_mode, cache_sharding, self._replicated)
         self._params = self._materialise(model)
-        self._cache = jax.device_put(init_cache(self.model_config, cfg.max_slots,
-                                                cfg.max_seq_len), cache_sharding)
+        self._cache = jax.device_put(init_engine_cache(self.model_config, cfg.max_slots,
+                                                       cfg.max_seq_len), cache_sharding)
         self._slots_dev = jax.device_put(
             engine_steps.empty_slots(cfg.max_slots, cfg.max_stop_tokens), self._replicated)
 
@@ -307,7 +320,7 @@ class JaxEngine(InferenceEngine):
 
     def submit(self, request: GenerationRequest) -> None:
         prompt = validate_request(request, self.model_config.vocab_size, self.max_seq_len,
-                                  self.config.max_stop_tokens)
+                                  self._max_stops)
         p = request.params
         limit = min(len(prompt) + int(p.max_new_tokens), self.max_seq_len)
         if limit > self.kv_budget:
@@ -350,7 +363,7 @@ class JaxEngine(InferenceEngine):
         requests = list(requests)
         for r in requests:  # all or nothing: validate every request before queueing any
             validate_request(r, self.model_config.vocab_size, self.max_seq_len,
-                             self.config.max_stop_tokens)
+                             self._max_stops)
         for r in requests:
             self.submit(r)
         wanted = {r.request_id for r in requests}
@@ -498,7 +511,7 @@ class JaxEngine(InferenceEngine):
         return dict(seed=np.zeros((b,), np.uint32), sample_index=np.zeros((b,), np.int32),
                     temperature=np.ones((b,), np.float32), top_p=np.ones((b,), np.float32),
                     top_k=np.zeros((b,), np.int32), limit=np.full((b,), 2, np.int32),
-                    stop_ids=np.full((b, self.config.max_stop_tokens), -1, np.int32))
+                    stop_ids=np.full((b, self._max_stops), -1, np.int32))
 
     @staticmethod
     def _fill_row(rows: dict, j: int, s: _Sample) -> None:
@@ -514,12 +527,14 @@ class JaxEngine(InferenceEngine):
         running = [i for i, s in enumerate(self._slots) if s is not None]
         if not running:
             return 0
-        need = max(self._slots[i].pos for i in running) + self.config.steps_per_sync
+        need = max(self._slots[i].pos for i in running) + self._steps
         cache_len = next((b for b in self.cache_buckets if b >= need), self.max_seq_len)
         with self._cv:
-            queued = bool(self._queue)
+            queued = len(self._queue)
+        refill_at = min(queued, self._refill)  # 0 when nothing waits: run the whole chunk
         self._cache, self._slots_dev, out = self._fns.decode(
-            self._params, self._cache, self._slots_dev, queued, cache_len=cache_len)
+            self._params, self._cache, self._slots_dev, np.int32(refill_at),
+            cache_len=cache_len)
         tokens, logps, emitted, active, n = jax.device_get(out)
         produced = 0
         for i in running:
@@ -606,7 +621,7 @@ class JaxEngine(InferenceEngine):
                 active = self._slots_dev.active
                 idle = self._slots_dev._replace(active=jnp.zeros_like(active))
                 self._cache, idle, out = self._fns.decode(
-                    self._params, self._cache, idle, False, cache_len=cache_len)
+                    self._params, self._cache, idle, np.int32(0), cache_len=cache_len)
                 self._slots_dev = idle._replace(active=active)
                 jax.block_until_ready(out)
                 n += 1

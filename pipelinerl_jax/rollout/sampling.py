@@ -27,7 +27,8 @@ request with seed `s` uses the key fold_in(fold_in(key(s), i), pos). It depends 
 else, so a sample's tokens do not depend on which other requests share the batch, on the slot
 it occupies, on how many decode steps run per host sync, or on a re-prefill after a weight
 update. Tokens are drawn by inverse-CDF sampling (one uniform per token, not a Gumbel vector
-over the vocabulary, which costs a PRNG call per vocabulary entry on CPU).
+over the vocabulary, which costs a PRNG call per vocabulary entry on CPU), with a two-level
+cumulative sum (`inverse_cdf`).
 """
 from __future__ import annotations
 
@@ -72,6 +73,40 @@ def truncate(z_bv, top_k_b, top_p_b):
     return jnp.where(z_bv >= threshold, z_bv, -jnp.inf)
 
 
+def _first_max(z_bv, m_b):
+    """Index of the first maximum of each row (argmax, but one cheap pass on CPU)."""
+    v = z_bv.shape[-1]
+    return jnp.min(jnp.where(z_bv == m_b[:, None], jnp.arange(v), v), axis=-1).astype(jnp.int32)
+
+
+def _last_positive(w_bn):
+    n = w_bn.shape[-1]
+    return n - 1 - jnp.argmax((w_bn > 0)[:, ::-1], axis=-1)
+
+
+def inverse_cdf(w_bv, u_b, block: int = 256):
+    """The first index whose cumulative weight exceeds `u * sum(w)` (w >= 0, some w > 0).
+
+    Two levels (sums of blocks of `block` entries, then a cumulative sum inside the chosen
+    block) because a cumulative sum over a 32k vocabulary is slow on CPU. The result always
+    has w > 0, also when float rounding puts the target at the very end.
+    """
+    b, v = w_bv.shape
+    c = min(block, v)
+    nb = -(-v // c)
+    w_bnc = jnp.pad(w_bv, ((0, 0), (0, nb * c - v))).reshape(b, nb, c)
+    mass_bn = jnp.sum(w_bnc, axis=-1)
+    cdf_bn = jnp.cumsum(mass_bn, axis=-1)
+    target_b = u_b * cdf_bn[:, -1]
+    j_b = jnp.minimum(jnp.sum(cdf_bn <= target_b[:, None], axis=-1), _last_positive(mass_bn))
+    before_b = jnp.take_along_axis(cdf_bn - mass_bn, j_b[:, None], axis=-1)[:, 0]
+    w_bc = jnp.take_along_axis(w_bnc, j_b[:, None, None], axis=1)[:, 0]
+    residual_b = jnp.maximum(target_b - before_b, 0.0)
+    i_b = jnp.sum(jnp.cumsum(w_bc, axis=-1) <= residual_b[:, None], axis=-1)
+    i_b = jnp.minimum(i_b, _last_positive(w_bc))
+    return (j_b * c + i_b).astype(jnp.int32)
+
+
 def sample(logits_bv, rows: RowParams, position_b, logprob_mode: str = "sampled"):
     """Samples one token per row; returns (tokens `[B]` int32, logp `[B]` float32).
 
@@ -81,32 +116,29 @@ def sample(logits_bv, rows: RowParams, position_b, logprob_mode: str = "sampled"
         raise ValueError(f"logprob_mode must be one of {LOGPROB_MODES}, got {logprob_mode!r}")
     logits_bv = logits_bv.astype(jnp.float32)
     greedy_b = rows.temperature <= 0
-    temp_b = jnp.where(greedy_b, 1.0, rows.temperature)
-    z_bv = logits_bv / temp_b[:, None]
-    logp_tempered_bv = jax.nn.log_softmax(z_bv, axis=-1)
-
+    z_bv = logits_bv / jnp.where(greedy_b, 1.0, rows.temperature)[:, None]
     truncating_b = ~greedy_b & ((rows.top_k > 0) | (rows.top_p < 1.0))
     # The sort behind top-k/top-p is the costliest part of sampling: skip it when no row asks.
-    z_trunc_bv = jax.lax.cond(
-        jnp.any(truncating_b),
+    any_truncating = jnp.any(truncating_b)
+    zs_bv = jax.lax.cond(
+        any_truncating,
         lambda z: jnp.where(truncating_b[:, None], truncate(z, rows.top_k, rows.top_p), z),
         lambda z: z, z_bv)
-    logp_sampled_bv = jax.nn.log_softmax(z_trunc_bv, axis=-1)
+    m_b = jnp.max(zs_bv, axis=-1)
+    w_bv = jnp.exp(zs_bv - m_b[:, None])  # 0 outside the support
+    lse_b = m_b + jnp.log(jnp.sum(w_bv, axis=-1))
 
-    # Inverse CDF: the first token whose cumulative probability exceeds u * total.
     keys = token_keys(rows.seed, rows.sample_index, position_b)
     u_b = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
-    probs_bv = jnp.exp(logp_sampled_bv)
-    cdf_bv = jnp.cumsum(probs_bv, axis=-1)
-    drawn_b = jnp.sum(cdf_bv <= (u_b * cdf_bv[:, -1])[:, None], axis=-1)
-    # Rounding can push the count past the last token with mass; clamp to it.
-    v = logits_bv.shape[-1]
-    last_b = v - 1 - jnp.argmax((probs_bv > 0)[:, ::-1], axis=-1)
-    drawn_b = jnp.minimum(drawn_b, last_b)
-    tokens_b = jnp.where(greedy_b, jnp.argmax(logits_bv, axis=-1), drawn_b).astype(jnp.int32)
+    drawn_b = inverse_cdf(w_bv, u_b)
+    tokens_b = jax.lax.cond(jnp.any(greedy_b),
+                            lambda: jnp.where(greedy_b, _first_max(zs_bv, m_b), drawn_b),
+                            lambda: drawn_b)
 
-    source_bv = logp_tempered_bv if logprob_mode == "tempered" else logp_sampled_bv
-    logp_b = jnp.take_along_axis(source_bv, tokens_b[:, None], axis=-1)[:, 0]
+    if logprob_mode == "tempered":  # untruncated normaliser; equal to lse_b without truncation
+        lse_b = jax.lax.cond(any_truncating, lambda: jax.nn.logsumexp(z_bv, axis=-1),
+                             lambda: lse_b)
+    logp_b = jnp.take_along_axis(z_bv, tokens_b[:, None], axis=-1)[:, 0] - lse_b
     return tokens_b, logp_b
 
 

@@ -30,8 +30,8 @@ def models():
     return {v: make_model(100 + v) for v in range(5)}  # weights of versions 0..4
 
 
-def make_engine(model, **overrides):
-    return JaxEngine(model, {**SHAPE, **overrides})
+def make_engine(model, start=False, **overrides):
+    return JaxEngine(model, {**SHAPE, **overrides}, start=start)
 
 
 @pytest.fixture(scope="session")

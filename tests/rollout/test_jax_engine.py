@@ -151,13 +151,14 @@ def test_kv_budget_limits_concurrency(models):
     reqs = [request(f"k{i}", [1, 2, 3, 4], max_new_tokens=20, seed=i) for i in range(6)]
     for r in reqs:
         eng.submit(r)
-    peak = 0
-    while len(eng._outbox) < 6:
+    peak, done = 0, []
+    while len(done) < 6:
         eng.step()
+        done += eng.get_completions()
         s = eng.stats()
         peak = max(peak, s["active_slots"])
         assert s["kv_tokens_reserved"] <= 50 and s["kv_tokens_in_use"] <= 50
-    assert peak == 2
+    assert peak == 2 and all(len(c.token_ids) == 20 for c in done)
     with pytest.raises(RequestError, match="kv_budget_tokens"):
         eng.submit(request("huge", [1, 2, 3, 4], max_new_tokens=47))
 

@@ -74,15 +74,17 @@ def test_greedy_takes_argmax_and_reports_untempered_logp():
 
 
 def test_draw_depends_only_on_seed_sample_and_position():
-    """The same (seed, sample_index, position) gives the same token in any row of any batch;
-    another position or seed gives another draw."""
-    flat = jnp.zeros((1, V))  # uniform: the draw is the uniform variate itself
-    def draw(b, row, seed, index, pos):
-        r = rows(b, seed=seed)._replace(sample_index=jnp.full((b,), index, jnp.int32))
-        r = r._replace(seed=r.seed.at[row].set(seed))
-        return int(_sample(jnp.broadcast_to(flat, (b, V)), r, jnp.full((b,), pos))[0][row])
-    a = draw(1, 0, 5, 2, 10)
-    assert all(draw(b, row, 5, 2, 10) == a for b, row in [(3, 1), (7, 6)])
-    others = {draw(1, 0, 5, 2, p) for p in range(11, 30)} | {draw(1, 0, s, 2, 10)
-                                                            for s in range(6, 25)}
+    """The same (seed, sample_index, position) gives the same token in any row, whatever the
+    other rows hold; another position or seed gives another draw."""
+    b = 8
+    flat = jnp.zeros((b, V))  # uniform: the draw is the uniform variate itself
+
+    def draw(row, seed, index, pos, others_seed=0):
+        r = rows(b, seed=others_seed)
+        r = r._replace(seed=r.seed.at[row].set(seed),
+                       sample_index=r.sample_index.at[row].set(index))
+        return int(_sample(flat, r, jnp.full((b,), pos).at[(row + 1) % b].set(99))[0][row])
+    a = draw(0, 5, 2, 10)
+    assert all(draw(row, 5, 2, 10, others_seed=s) == a for row, s in [(3, 1), (7, 9)])
+    others = {draw(0, 5, 2, p) for p in range(11, 30)} | {draw(0, s, 2, 10) for s in range(6, 25)}
     assert len(others) > 3
