@@ -37,10 +37,15 @@ class Checkpointer:
     def latest_step(self) -> Optional[int]:
         return self._mngr.latest_step()
 
-    def save(self, step: int, state: Any, meta: dict) -> None:
+    def save(self, step: int, state: Any, meta: dict, history: Optional[dict] = None) -> None:
+        """`history` ({version: params}) is saved too when given (lag injection replays old
+        versions after a restart)."""
+        meta = dict(meta, history_versions=sorted(history or {}))
+        items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        if history:
+            items["history"] = ocp.args.StandardSave({f"v{v}": p for v, p in history.items()})
         try:
-            self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                          meta=ocp.args.JsonSave(meta)))
+            self._mngr.save(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - report what failed and where
             raise CheckpointSaveError(
                 f"checkpoint save of step {step} to {self.directory} failed: {e}") from e
@@ -52,15 +57,29 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             raise CheckpointSaveError(f"checkpoint save to {self.directory} failed: {e}") from e
 
-    def restore(self, abstract_state: Any, step: Optional[int] = None) -> Tuple[Any, dict, int]:
-        """(state, meta, step) of `step` (default: latest), arrays placed like the abstract."""
+    def restore(self, abstract_state: Any, step: Optional[int] = None,
+                history_like: Any = None) -> Tuple[Any, dict, int, dict]:
+        """(state, meta, step, history) of `step` (default: latest); arrays are placed like
+        `abstract_state`; `history` (saved versions' params, shaped like `history_like`) is
+        restored to host memory."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-        out = self._mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        return out["state"], dict(out["meta"]), step
+        meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = dict(meta["meta"])
+        items = dict(state=ocp.args.StandardRestore(
+            jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)))
+        versions = meta.get("history_versions") or []
+        if versions and history_like is not None:
+            cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            host = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
+                                history_like)
+            items["history"] = ocp.args.StandardRestore({f"v{v}": host for v in versions})
+        out = self._mngr.restore(step, args=ocp.args.Composite(**items))
+        history = {}
+        if "history" in items:
+            history = {v: jax.device_get(out["history"][f"v{v}"]) for v in versions}
+        return out["state"], meta, step, history
 
     def close(self) -> None:
         self._mngr.wait_until_finished()

@@ -28,6 +28,7 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.metrics import MetricsWriter, append_jsonl
+from pipelinerl_jax.rollout.worker import injected_lag
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,9 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
 
     # ------------------------------------------------------------------ checkpoint restore
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=L.keep_checkpoints)
-    step, version, trained, t_offset = 0, 0, [], 0.0
+    step, version, trained, t_offset, history = 0, 0, [], 0.0, {}
     if ckpt.latest_step() is not None:
-        state, meta, step = ckpt.restore(state)
+        state, meta, step, history = ckpt.restore(state, history_like=state.params)
         version, trained = meta["version"], list(meta["trained_batch_ids"])
         t_offset = meta.get("wall_time_s", 0.0)
         log.info("resumed from step %d (version %d)", step, version)
@@ -163,12 +164,24 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
     client.wait_ready(60.0)
     publisher = WeightPublisher(weights_address(cfg.transport), **publisher_kwargs(cfg.transport))
 
+    inj = cfg.lag_injection
+    history = dict(history)  # lag injection: recent versions' params (host pure dicts)
+
     def publish(version: int):
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
         it may reach the queue the moment an engine has it)."""
         flat = flat_host_params(state.params)
         client.set_version(version)
-        if cfg.sampler.kind == "sglang":  # HF directory on disk + a notification
+        if inj.enabled:  # ship version - k's weights, tagged with their policy version
+            history[version] = jax.device_get(state.params)
+            for v in [v for v in history if v < version - inj.max_k]:
+                del history[v]
+            policy_version = version - injected_lag(inj, version)
+            payload = {} if cfg.sampler.kind == "sglang" else flat_host_params(
+                history[policy_version])
+            payload["__policy_version__"] = np.asarray(policy_version, np.int64)
+            publisher.publish(version, payload)
+        elif cfg.sampler.kind == "sglang":  # HF directory on disk + a notification
             root = weights_dir(cfg, workdir)
             nnx.update(model, jax.device_get(state.params))
             write_versioned_dir(root, version, lambda d: save_pretrained(model, d),
@@ -194,7 +207,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         if covered:
             client.ack(covered)
         ckpt.save(step, state, {"version": version, "trained_batch_ids": trained[-10000:],
-                                "wall_time_s": time.time() - t0})
+                                "wall_time_s": time.time() - t0}, history=history)
         covered, unacked = unacked, []
 
     if evaluator is not None and step == 0:

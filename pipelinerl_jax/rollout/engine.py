@@ -129,11 +129,12 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, weights: Any, version: int, *, wait: bool = True,
-                       timeout: Optional[float] = None) -> None:
+                       timeout: Optional[float] = None, allow_older: bool = False) -> None:
         """Installs new weights as `version` between two forward passes, without dropping
         in-flight requests. `weights` is a flat `{state path: array}` dict
         (`pipelinerl_jax.models.flat_params`), an `nnx.State`, a model, or the path of an HF
-        checkpoint directory. `version` must exceed every version seen so far, else
+        checkpoint directory. `version` must exceed every version seen so far (unless
+        `allow_older`, which lag injection uses to install an older version on purpose), else
         `ValueError` naming both. With `wait`, returns once the version is live."""
 
     @abc.abstractmethod

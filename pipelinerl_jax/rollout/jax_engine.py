@@ -262,14 +262,16 @@ class JaxEngine(InferenceEngine):
         return self._version
 
     def update_weights(self, weights: Any, version: int, *, wait: bool = True,
-                       timeout: Optional[float] = None) -> None:
+                       timeout: Optional[float] = None, allow_older: bool = False) -> None:
+        """See `InferenceEngine.update_weights`. `allow_older` lets lag injection install an
+        older version on purpose (never used by a normal run)."""
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
             raise ValueError(f"update_weights: version must be an integer, got {version!r}")
         version = int(version)
-        self._check_newer(version)
+        self._check_newer(version, allow_older)
         params = self._materialise(weights)  # the slow part, outside every lock
         with self._cv:
-            self._check_newer(version)
+            self._check_newer(version, allow_older)
             self._pending = (params, version)
             self._newest_version = version
             self._cv.notify_all()
@@ -280,20 +282,23 @@ class JaxEngine(InferenceEngine):
         if wait:
             deadline = None if timeout is None else time.monotonic() + timeout
             with self._cv:
-                while self._version < version and self._error is None and not self._closed:
+                def live():  # (an older version on purpose is live when it is *the* version)
+                    return self._version == version if allow_older else self._version >= version
+
+                while not live() and self._error is None and not self._closed:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError(f"update_weights: version {version} not live after "
                                            f"{timeout}s (engine at {self._version})")
                     self._cv.wait(left)
-                if self._version < version:
+                if not live():
                     raise EngineClosedError(f"engine stopped before version {version} went "
                                             f"live: {self._error or 'closed'}")
 
-    def _check_newer(self, version: int) -> None:
+    def _check_newer(self, version: int, allow_older: bool = False) -> None:
         if self._closed:
             raise EngineClosedError(f"engine {self.engine_id} is closed")
-        if version <= self._newest_version:
+        if not allow_older and version <= self._newest_version:
             raise ValueError(
                 f"update_weights: version {version} is not newer than the engine's version "
                 f"{self._newest_version} (live {self._version}); versions must strictly "

@@ -19,8 +19,10 @@ staleness policy remains the hard guarantee when timing is adversarial (a stragg
 completes after later groups).
 
 Lag injection (ablations at exact staleness): in lock-step, batch L is sampled with the
-weights of version `L - k_L` (k_L fixed or drawn from a seeded distribution), kept from a
-ring of recent versions; every token then has lag exactly k_L, independent of timing.
+weights of version `L - k_L` (k_L fixed or drawn from a seeded distribution). The learner
+keeps the recent versions (in memory and in its checkpoints) and ships, as weight-stream
+version L, the weights of policy version `L - k_L` (tagged `__policy_version__`); every token
+then has lag exactly k_L, independent of timing and across restarts.
 """
 from __future__ import annotations
 
@@ -82,8 +84,10 @@ class RolloutWorker:
         self.counts = collections.Counter()
         self._slots: Dict[int, int] = {}  # learner batch -> groups of ours started for it
         self._next_slot = 0
-        # lag injection: recent versions' weights, and which learner step we are feeding
-        self._snapshots: Dict[int, object] = {}
+        # lag injection: (stream version = learner step, policy version, weights) last
+        # received, and which learner step we are feeding
+        self._lock = threading.Lock()
+        self._injected_weights = None
         self._injected_for, self._step_seq = -1, 0
 
     # ------------------------------------------------------------------ admission
@@ -124,12 +128,12 @@ class RolloutWorker:
         if self._injected_for != step:
             if self._inflight:
                 return False  # the previous step's groups finish first
-            want = step - injected_lag(self.cfg.lag_injection, step)
-            params = self._snapshots.get(want)
-            if params is None:
-                return False  # that version has not arrived yet
-            if self.engine.version != want:
-                self.engine.update_weights(params, want, allow_older=True)
+            with self._lock:
+                pending = self._injected_weights
+            if pending is None or pending[0] != step:
+                return False  # the weights for this step have not arrived yet
+            _, policy_version, params = pending
+            self.engine.update_weights(params, policy_version, allow_older=True)
             self._injected_for, self._step_seq = step, 0
             self._slots = {step: 0}
             self.problems = self.task.problems(seed=self._problem_seed(step))
@@ -152,16 +156,19 @@ class RolloutWorker:
         if self.workdir:
             append_jsonl(os.path.join(self.workdir, f"weights_received.w{self.index}.jsonl"),
                          [{"time_s": time.time(), "version": int(version)}])
+        from pipelinerl_jax.rollout.factory import weights_dir
+        from pipelinerl_jax.transport.versioned_dir import version_dir
         if not params:
-            from pipelinerl_jax.rollout.factory import weights_dir
-            from pipelinerl_jax.transport.versioned_dir import version_dir
             params = version_dir(weights_dir(self.cfg, self.workdir or "."), version)
         if self.cfg.lag_injection.enabled:
-            keep = self.cfg.lag_injection.max_k + 1
-            self._snapshots[version] = (params if isinstance(params, str) else
-                                        {k: np.array(v) for k, v in params.items()})
-            for old in [v for v in self._snapshots if v <= version - keep]:
-                del self._snapshots[old]
+            params = dict(params)
+            policy_version = int(params.pop("__policy_version__"))
+            if not params:
+                params = version_dir(weights_dir(self.cfg, self.workdir or "."), policy_version)
+            else:  # the subscriber reuses its buffers: keep a copy until it is installed
+                params = {k: np.array(v) for k, v in params.items()}
+            with self._lock:
+                self._injected_weights = (version, policy_version, params)
             return
         if version > self.engine.version:
             self.engine.update_weights(params, version, wait=False)
