@@ -43,6 +43,7 @@ class MetricsWriter:
         if self._tb is None:
             return
         for k, v in scalars.items():
+            k = k.replace("+", "plus")  # TensorBoard tags allow [A-Za-z0-9_./-] only
             if isinstance(v, (list, tuple, np.ndarray)):
                 arr = np.asarray(v, dtype=np.float64)
                 if arr.size:

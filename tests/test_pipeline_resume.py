@@ -48,11 +48,11 @@ def test_killed_learner_resumes_bit_exact(tmp_path):
            f"--config={os.path.join(ROOT, 'configs', 'default.py')}:quick",
            f"--workdir={crashed}", *TINY_FLAGS, *flags]
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                env=env, cwd=ROOT)
+                                env=env, cwd=ROOT, text=True)
     deadline = time.time() + 300
     metrics = crashed / "metrics.jsonl"
     while time.time() < deadline:
-        if metrics.exists() and any(r["step"] >= 2 for r in read_jsonl(metrics)):
+        if (crashed / "checkpoints" / "2").is_dir():  # step 2 committed (renamed from tmp)
             break
         assert launcher.poll() is None, launcher.stderr.read()
         time.sleep(0.2)
