@@ -1,0 +1,320 @@
+"""Reading run directories back: one tidy table, a summary per run and per grid cell.
+
+    runs, problems = load_runs(["runs/ablate"])     # every run directory found under the roots
+    write_tables(workdir, analysis)                  # results.csv, runs.csv, cells.csv, summary.json
+
+A run directory is what `experiments/train.py` writes (docs/metrics.md); the ablation runner
+adds `spec.json` (its grid labels and cell) and `status.json`. A directory that is missing or
+malformed (no `metrics.jsonl`, no config, no logged step) is reported in `problems` by name
+and skipped; nothing here raises on a bad run.
+
+Per run (`summarize_run`), from the held-out greedy accuracy `eval/accuracy` logged every
+`learner.eval_every` steps (and at step 0, the warm start):
+  initial / final / best eval accuracy, steps, wall-clock;
+  time_to_target_s, steps_to_target   first eval at or above `analysis.target_accuracy`;
+  nonfinite_steps                     steps the learner skipped (non-finite loss or gradient);
+  collapse_step                       first eval below `collapse_ratio` x the initial accuracy
+                                      (only when that is >= `collapse_min_accuracy`);
+  kl_spike_steps                      steps with KL(behaviour || current) k3 > `kl_spike`;
+  unstable                            any of the three above, or the run diverged.
+Per cell (`summarize_cells`): mean, std (ddof 0), min, max and n over the seeds of each
+numeric run figure.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Config values every table carries (column -> dotted key in the experiment config).
+CONFIG_COLUMNS = {
+    "mode": "mode", "max_lag": "max_lag", "loss": "loss.name",
+    "kv_policy": "engine.kv_policy", "learning_rate": "learner.optimizer.learning_rate",
+    "seed": "seed", "lag_injection": "lag_injection.enabled", "injected_lag": "lag_injection.k",
+    "injection_kind": "lag_injection.kind", "batch_groups": "learner.batch_groups",
+    "group_size": "rollout.group_size", "total_steps": "learner.total_steps",
+}
+_FIRST_METRICS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean",
+                  "lag/mean", "loss/ess", "loss/clip_frac", "loss/kl_k3")
+
+
+class RunError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    path: str
+    labels: Dict[str, str]
+    cell: str
+    config: dict  # the experiment config (nested dict)
+    rows: List[dict]  # metrics.jsonl, one per step (the last record of a step wins)
+    status: str  # done | diverged | failed | partial | unknown
+
+    def get(self, key: str, default=None):
+        return config_value(self.config, key, default)
+
+    @property
+    def evals(self) -> List[Tuple[int, float, float]]:
+        """(step, wall_time_s, eval/accuracy) of every evaluation."""
+        return [(r["step"], r.get("wall_time_s", math.nan), r["eval/accuracy"])
+                for r in self.rows if _num(r.get("eval/accuracy")) is not None]
+
+    def series(self, key: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(steps, wall_time_s, values) of the rows logging `key` as a number."""
+        pts = [(r["step"], r.get("wall_time_s", math.nan), _num(r.get(key)))
+               for r in self.rows if _num(r.get(key)) is not None]
+        if not pts:
+            return np.zeros(0), np.zeros(0), np.zeros(0)
+        s, t, v = zip(*pts)
+        return np.asarray(s), np.asarray(t, float), np.asarray(v, float)
+
+
+def config_value(cfg: dict, key: str, default=None):
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _num(v) -> Optional[float]:
+    """A logged number as float ('nan'/'inf' strings are how JSONL keeps non-finite values)."""
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
+        return float(v)
+    return None
+
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_run(path: str) -> Run:
+    """Reads one run directory; raises RunError saying what is wrong with it."""
+    if not os.path.isdir(path):
+        raise RunError(f"{path}: not a directory")
+    spec, config = None, None
+    try:
+        if os.path.exists(os.path.join(path, "spec.json")):
+            spec = _read_json(os.path.join(path, "spec.json"))
+            config = spec.get("experiment")
+        if config is None and os.path.exists(os.path.join(path, "config.json")):
+            config = _read_json(os.path.join(path, "config.json"))
+    except (OSError, json.JSONDecodeError, AttributeError) as e:
+        raise RunError(f"{path}: unreadable spec.json/config.json ({e})") from None
+    if not isinstance(config, dict):
+        raise RunError(f"{path}: no experiment config (spec.json or config.json)")
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.exists(metrics):
+        raise RunError(f"{path}: no metrics.jsonl")
+    by_step, bad = {}, 0
+    with open(metrics, errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                by_step[int(row["step"])] = row
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                bad += 1  # a line cut short by a crash, or not a metrics record
+    if not by_step:
+        raise RunError(f"{path}: metrics.jsonl has no step records"
+                       + (f" ({bad} malformed lines)" if bad else ""))
+    rows = [by_step[s] for s in sorted(by_step)]
+    status = "unknown"
+    try:
+        st = _read_json(os.path.join(path, "status.json"))
+        status = st.get("status", status)
+    except (OSError, json.JSONDecodeError, AttributeError):
+        if os.path.exists(os.path.join(path, "summary.json")):
+            status = "done"
+        elif os.path.exists(os.path.join(path, "status.json")):
+            status = "unknown"
+    labels = dict(spec.get("labels", {})) if spec else {}
+    name = spec.get("name") if spec else None
+    name = name or os.path.basename(os.path.normpath(path))
+    cell = spec.get("cell", name) if spec else name
+    return Run(name, os.path.abspath(path), labels, cell, config, rows, status)
+
+
+def find_run_dirs(roots: Iterable[str], max_depth: int = 3) -> Tuple[List[str], List[str]]:
+    """(run directories, problems): a run directory holds metrics.jsonl or spec.json; roots
+    may be run directories, grid workdirs or folders of either."""
+    found, problems = [], []
+    for root in roots:
+        if not os.path.isdir(root):
+            problems.append(f"{root}: no such directory")
+            continue
+        before = len(found)
+        for dirpath, dirnames, filenames in os.walk(root):
+            depth = os.path.relpath(dirpath, root).count(os.sep) + (dirpath != root)
+            if "metrics.jsonl" in filenames or "spec.json" in filenames:
+                found.append(dirpath)
+                dirnames[:] = []  # a run's own subfolders (checkpoints, tb) are not runs
+                continue
+            dirnames[:] = sorted(d for d in dirnames if d not in ("warm_start", "xla_cache")) \
+                if depth < max_depth else []
+        if len(found) == before:
+            problems.append(f"{root}: no run directories found")
+    return sorted(set(found)), problems
+
+
+def load_runs(roots: Iterable[str]) -> Tuple[List[Run], List[str]]:
+    dirs, problems = find_run_dirs(roots)
+    runs = []
+    for d in dirs:
+        try:
+            runs.append(load_run(d))
+        except RunError as e:
+            problems.append(str(e))
+    return runs, problems
+
+
+# ---------------------------------------------------------------------------- summaries
+
+def summarize_run(run: Run, analysis) -> dict:
+    a = _analysis(analysis)
+    evals = run.evals
+    last = run.rows[-1]
+    out = {"run": run.name, "cell": run.cell, "status": run.status, "path": run.path}
+    out.update(run.labels)
+    out.update({col: run.get(key) for col, key in CONFIG_COLUMNS.items()})
+    out["steps"] = int(last.get("step", 0))
+    out["wall_time_s"] = _num(last.get("wall_time_s"))
+    accs = [e[2] for e in evals]
+    out["initial_eval_accuracy"] = accs[0] if evals and evals[0][0] == 0 else None
+    out["final_eval_accuracy"] = accs[-1] if accs else None
+    out["best_eval_accuracy"] = max(accs) if accs else None
+    hit = next((e for e in evals if e[2] >= a["target_accuracy"]), None)
+    out["target_accuracy"] = a["target_accuracy"]
+    out["time_to_target_s"] = hit[1] if hit else None
+    out["steps_to_target"] = hit[0] if hit else None
+    trained = [r for r in run.rows if r.get("step", 0) > 0]
+    nonfinite = sum(1 for r in trained if (_num(r.get("learner/skipped_steps")) or 0) > 0
+                    or not math.isfinite(_num(r.get("loss/loss")) or 0.0))
+    out["nonfinite_steps"] = nonfinite
+    init = out["initial_eval_accuracy"]
+    collapse = None
+    if init is not None and init >= a["collapse_min_accuracy"]:
+        collapse = next((s for s, _, acc in evals if acc < a["collapse_ratio"] * init), None)
+    out["collapse_step"] = collapse
+    kl = [_num(r.get("loss/kl_k3")) for r in trained]
+    kl = [k for k in kl if k is not None]
+    out["max_kl_k3"] = max(kl) if kl else None
+    out["kl_spike_steps"] = sum(1 for k in kl if not k <= a["kl_spike"])
+    for key, col in (("lag/mean", "lag_mean"), ("loss/ess", "ess_mean"),
+                     ("loss/clip_frac", "clip_frac_mean"), ("loss/kl_k3", "kl_k3_mean")):
+        vals = [v for v in (_num(r.get(key)) for r in trained) if v is not None]
+        out[col] = float(np.mean(vals)) if vals else None
+    span = out["wall_time_s"]
+    out["steps_per_min"] = 60 * out["steps"] / span if span else None
+    out["unstable"] = bool(nonfinite or collapse is not None or out["kl_spike_steps"]
+                           or run.status == "diverged")
+    return out
+
+
+def _analysis(analysis) -> dict:
+    a = {"target_accuracy": 0.4, "collapse_ratio": 0.5, "collapse_min_accuracy": 0.05,
+         "kl_spike": 0.5}
+    if analysis is not None:
+        a.update({k: analysis[k] for k in a if k in analysis})
+    return a
+
+
+CELL_FIGURES = ("final_eval_accuracy", "best_eval_accuracy", "time_to_target_s",
+                "steps_to_target", "nonfinite_steps", "kl_spike_steps", "max_kl_k3",
+                "lag_mean", "ess_mean", "clip_frac_mean", "kl_k3_mean", "wall_time_s",
+                "steps_per_min", "unstable")
+
+
+def summarize_cells(run_rows: Sequence[dict]) -> List[dict]:
+    """One row per cell: its labels (without the seed axis), then `<figure>_{mean,std,min,
+    max,n}` over the cell's runs for each figure in CELL_FIGURES."""
+    cells: Dict[str, List[dict]] = {}
+    for r in run_rows:
+        cells.setdefault(r["cell"], []).append(r)
+    out = []
+    for cell, rows in cells.items():
+        row = {"cell": cell, "runs": len(rows)}
+        for k, v in (kv.split("=", 1) for kv in cell.split(",") if "=" in kv):
+            row[k] = v
+        for fig in CELL_FIGURES:
+            vals = [float(r[fig]) for r in rows if isinstance(r.get(fig), (int, float))]
+            row[f"{fig}_n"] = len(vals)
+            if vals:
+                row[f"{fig}_mean"] = float(np.mean(vals))
+                row[f"{fig}_std"] = float(np.std(vals))
+                row[f"{fig}_min"] = float(np.min(vals))
+                row[f"{fig}_max"] = float(np.max(vals))
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------------- tables
+
+def tidy_rows(runs: Sequence[Run]) -> Tuple[List[str], List[dict]]:
+    """(columns, rows): one row per run per logged step; scalar metrics only (lists such as
+    `lag/hist` stay in metrics.jsonl)."""
+    axes = sorted({k for r in runs for k in r.labels})
+    metric_keys = set()
+    for r in runs:
+        for row in r.rows:
+            metric_keys.update(k for k, v in row.items() if _num(v) is not None)
+    first = [k for k in _FIRST_METRICS if k in metric_keys]
+    metrics = first + sorted(metric_keys - set(first))
+    head = ["run", "cell", "status"] + [a for a in axes if a not in CONFIG_COLUMNS] \
+        + list(CONFIG_COLUMNS)
+    rows = []
+    for r in runs:
+        fixed = {"run": r.name, "cell": r.cell, "status": r.status, **r.labels}
+        fixed.update({col: r.get(key) for col, key in CONFIG_COLUMNS.items()})
+        for row in r.rows:
+            out = dict(fixed)
+            out.update({k: row[k] for k in metrics if _num(row.get(k)) is not None})
+            rows.append(out)
+    return head + metrics, rows
+
+
+def write_csv(path: str, rows: Sequence[dict], columns: Optional[List[str]] = None) -> str:
+    if columns is None:
+        columns = []
+        for r in rows:
+            columns += [k for k in r if k not in columns]
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in r.items()})
+    os.replace(tmp, path)
+    return path
+
+
+def write_tables(workdir: str, analysis=None) -> dict:
+    """results.csv (tidy, per run per step), runs.csv (per run), cells.csv (per cell over
+    seeds) and summary.json (both summaries + problems) for the runs under workdir/runs."""
+    runs, problems = load_runs([os.path.join(workdir, "runs")])
+    columns, rows = tidy_rows(runs)
+    paths = {"results_csv": write_csv(os.path.join(workdir, "results.csv"), rows, columns)}
+    run_rows = [summarize_run(r, analysis) for r in runs]
+    cell_rows = summarize_cells(run_rows)
+    paths["runs_csv"] = write_csv(os.path.join(workdir, "runs.csv"), run_rows)
+    paths["cells_csv"] = write_csv(os.path.join(workdir, "cells.csv"), cell_rows)
+    summary = {"analysis": _analysis(analysis), "runs": run_rows, "cells": cell_rows,
+               "problems": problems}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    paths["summary_json"] = os.path.join(workdir, "summary.json")
+    return {"tables": paths, "problems": problems}

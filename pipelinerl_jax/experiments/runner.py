@@ -1,0 +1,332 @@
+"""Runs an ablation grid: one shared warm start, then every run, resumably, a few at a time.
+
+    runs = grid.expand(config)
+    run_grid(config, workdir)     # what experiments/ablate.py calls
+
+Layout of WORKDIR:
+    ablation.json                 the ablation config as given
+    warm_start/model              the shared SFT checkpoint (unless experiment.warm_start.checkpoint)
+    runs/<run>/spec.json          name, labels, cell and full experiment config of the run
+    runs/<run>/status.json        done | diverged | failed, attempts, seconds, cores
+    runs/<run>/...                the run directory (docs/metrics.md)
+    results.csv, runs.csv, cells.csv, summary.json   (results.write_tables)
+    xla_cache/                    XLA's persistent compilation cache, shared by every run
+
+A run is a child process (`python -m pipelinerl_jax.experiments.runner run DIR`) calling
+`launch.launch(config, DIR)`; its launcher starts the queue, learner and worker processes as
+in `experiments/train.py`. Resuming: a run whose status is `done` or `diverged` (the learner
+stopped on non-finite steps, a result in itself) is skipped; a run interrupted after a
+committed checkpoint restarts in place and its learner resumes from that checkpoint; one
+interrupted before any checkpoint is wiped and restarted; a `failed` one is retried.
+
+Parallel runs: with `runner.parallel = n > 1` and `runner.pin`, the available cores are split
+into n sets and every process of run slot i (learner and sampler alike) is pinned to set i.
+That is how lag-injected runs should go (they are lock-step: learner and sampler alternate,
+so one core per run loses little, and n runs keep n cores busy). Wall-clock comparisons of
+sync vs async must not be pinned that way: give them `parallel = 1`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+import ml_collections
+
+from pipelinerl_jax.experiments.grid import RunSpec, expand
+
+FINAL = ("done", "diverged")
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def run_status(run_dir: str) -> str:
+    """'new' | 'partial' | 'done' | 'diverged' | 'failed' of a run directory."""
+    st = _read_json(os.path.join(run_dir, "status.json"))
+    if st and st.get("status") in FINAL + ("failed",):
+        return st["status"]
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or \
+            os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        return "partial"
+    return "new"
+
+
+def committed_checkpoints(run_dir: str) -> List[int]:
+    """Steps with a complete orbax checkpoint (orbax renames a step's temporary directory to
+    the bare step number only once it is fully written)."""
+    d = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+
+
+def split_cores(cores: List[int], n: int) -> List[str]:
+    """n disjoint core-set specs ("0", "1" or "0-1", "2-3"); fewer cores than n: round-robin."""
+    if not cores:
+        return [""] * n
+    if len(cores) < n:
+        return [str(cores[i % len(cores)]) for i in range(n)]
+    per = len(cores) // n
+    return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n)]
+
+
+def available_cores(spec: str) -> List[int]:
+    from pipelinerl_jax.experiment import parse_cores
+    if spec:
+        return parse_cores(spec, "runner.cores")
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+# ============================================================================ warm start
+
+def warm_start(c, workdir: str, log=print) -> str:
+    """The checkpoint every run starts from: `experiment.warm_start.checkpoint` if given,
+    else `WORKDIR/warm_start/model`, trained once (in a child process) when missing."""
+    given = c.experiment.warm_start.checkpoint
+    if given:
+        if not os.path.isfile(os.path.join(given, "config.json")):
+            from pipelinerl_jax.config import ConfigError
+            raise ConfigError("experiment.warm_start.checkpoint",
+                              f"{given!r} is not a model directory (no config.json)")
+        return os.path.abspath(given)
+    ws = os.path.join(workdir, "warm_start")
+    model = os.path.join(ws, "model")
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return model
+    os.makedirs(ws, exist_ok=True)
+    _write_json(os.path.join(ws, "experiment.json"), c.experiment.to_dict())
+    for stale in ("sft_metrics.jsonl",):  # an interrupted earlier attempt
+        if os.path.exists(os.path.join(ws, stale)):
+            os.remove(os.path.join(ws, stale))
+    log(f"warm start: {c.experiment.warm_start.steps} supervised steps -> {model}")
+    t0 = time.time()
+    code = _child_process("sft", ws, _env(c, workdir), c.runner.warm_start_timeout_s)
+    if code != 0 or not os.path.isfile(os.path.join(model, "config.json")):
+        raise RuntimeError(f"warm start failed (exit {code}); log: {os.path.join(ws, 'ablate.log')}"
+                           f"\n{_tail(os.path.join(ws, 'ablate.log'))}")
+    s = _read_json(os.path.join(ws, "sft_summary.json")) or {}
+    log(f"warm start done in {time.time() - t0:.0f} s"
+        + (f", held-out accuracy {s['eval/accuracy']:.3f}" if "eval/accuracy" in s else ""))
+    return model
+
+
+# ============================================================================ the grid
+
+def _env(c, workdir: str) -> dict:
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.pop("XLA_FLAGS", None)  # one CPU device per process, as in a real run
+    cache = c.runner.compilation_cache
+    if cache:
+        # XLA's persistent compilation cache: every run of a grid compiles the same train
+        # step, decode step and evaluator; with the cache only the first run pays for it.
+        path = os.path.join(workdir, "xla_cache") if cache == "auto" else cache
+        env["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(path)
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    return env
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class _Proc:
+    """One child (a run or the warm start) with its own log; stopped with SIGTERM so the
+    launcher inside stops its queue, learner and workers in order."""
+
+    def __init__(self, role: str, run_dir: str, env: dict):
+        self.run_dir = run_dir
+        log = open(os.path.join(run_dir, "ablate.log"), "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelinerl_jax.experiments.runner", role, run_dir],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.t0 = time.time()
+
+    def stop(self, grace: float = 60.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _child_process(role: str, run_dir: str, env: dict, timeout_s: float) -> int:
+    p = _Proc(role, run_dir, env)
+    try:
+        return p.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        p.stop()
+        return -1
+    except BaseException:
+        p.stop()
+        raise
+
+
+def prepare_run(run: RunSpec, run_dir: str) -> str:
+    """Makes `run_dir` ready to (re)start `run`; returns 'skip', 'resume' or 'start'."""
+    status = run_status(run_dir)
+    if status in FINAL:
+        return "skip"
+    os.makedirs(run_dir, exist_ok=True)
+    spec = json.loads(json.dumps({"name": run.name, "labels": run.labels, "cell": run.cell,
+                                  "experiment": run.config.to_dict()}))
+    old = _read_json(os.path.join(run_dir, "spec.json"))
+    if old is not None and old.get("experiment") != spec["experiment"]:
+        # The grid's config changed under this run: its partial results are not this run's.
+        status = "changed"
+    if status in ("partial", "failed") and committed_checkpoints(run_dir):
+        _write_json(os.path.join(run_dir, "spec.json"), spec)
+        return "resume"
+    for name in os.listdir(run_dir):  # nothing durable to resume from: start clean
+        path = os.path.join(run_dir, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    _write_json(os.path.join(run_dir, "spec.json"), spec)
+    return "start"
+
+
+def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
+             runs: Optional[List[RunSpec]] = None) -> dict:
+    """Runs every unfinished run of the grid `c` under `workdir`, then writes the tables.
+
+    Returns {"runs": n, "ran": [...], "skipped": [...], "failed": [...], "wall_s": s}."""
+    from pipelinerl_jax.experiments import results
+    workdir = os.path.abspath(workdir)
+    os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
+    runs = runs if runs is not None else expand(c)
+    _write_json(os.path.join(workdir, "ablation.json"), json.loads(c.to_json_best_effort()))
+    t_start = time.time()
+    todo = []
+    skipped = []
+    for r in runs:
+        if run_status(os.path.join(workdir, "runs", r.dirname)) in FINAL:
+            skipped.append(r.name)
+        else:
+            todo.append(r)
+    log(f"{len(runs)} runs: {len(skipped)} already finished, {len(todo)} to run "
+        f"({c.runner.parallel} at a time)")
+    ran, failed = [], []
+    if todo:
+        ckpt = warm_start(c, workdir, log)
+        env = _env(c, workdir)
+        slots = split_cores(available_cores(c.runner.cores), c.runner.parallel) \
+            if c.runner.parallel > 1 and c.runner.pin else [None] * c.runner.parallel
+        free = list(range(c.runner.parallel))
+        active = {}  # slot -> (RunSpec, _Proc, mode)
+        queue = list(todo)
+        try:
+            while queue or active:
+                while queue and free:
+                    r = queue.pop(0)
+                    slot = free.pop(0)
+                    run_dir = os.path.join(workdir, "runs", r.dirname)
+                    how = prepare_run(r, run_dir)
+                    cfg = ml_collections.ConfigDict(r.config.to_dict())
+                    cfg.warm_start.checkpoint = ckpt
+                    if slots[slot] is not None:
+                        cfg.resources.learner_cores = slots[slot]
+                        cfg.resources.sampler_cores = slots[slot]
+                    _write_json(os.path.join(run_dir, "launch_config.json"), cfg.to_dict())
+                    active[slot] = (r, _Proc("run", run_dir, env), how)
+                    log(f"  {how:6s} {r.name}" + (f"  [cores {slots[slot]}]" if slots[slot] else ""))
+                time.sleep(1.0)
+                for slot, (r, p, how) in list(active.items()):
+                    code = p.proc.poll()
+                    if code is None and time.time() - p.t0 > c.runner.run_timeout_s:
+                        p.stop()
+                        code = -1
+                    if code is None:
+                        continue
+                    status = _finish(r, p, code, slots[slot], how)
+                    (ran if status in FINAL else failed).append(r.name)
+                    log(f"  {status:8s} {r.name} in {time.time() - p.t0:.0f} s"
+                        + _brief(p.run_dir))
+                    del active[slot]
+                    free.append(slot)
+        except BaseException:
+            log(f"stopping {len(active)} run(s); re-run the same command to resume")
+            for _, p, _ in active.values():
+                p.stop()
+            raise
+    tables = results.write_tables(workdir, c.analysis)
+    out = {"runs": len(runs), "ran": ran, "skipped": skipped, "failed": failed,
+           "wall_s": time.time() - t_start, **tables}
+    _write_json(os.path.join(workdir, "grid_run.json"), out)
+    return out
+
+
+def _finish(r: RunSpec, p: _Proc, code: int, cores, how: str) -> str:
+    log_path = os.path.join(p.run_dir, "ablate.log")
+    tail = _tail(log_path, 60)
+    if code == 0:
+        status = "done"
+    elif "TooManySkippedSteps" in tail or "TooManySkippedSteps" in _tail(
+            os.path.join(p.run_dir, "logs", "learner.log"), 60):
+        status = "diverged"  # the learner gave up on non-finite steps: an outcome, not a bug
+    else:
+        status = "failed"
+    prev = _read_json(os.path.join(p.run_dir, "status.json")) or {}
+    _write_json(os.path.join(p.run_dir, "status.json"), {
+        "status": status, "returncode": code, "seconds": time.time() - p.t0,
+        "attempts": prev.get("attempts", 0) + 1, "cores": cores, "how": how,
+        "error": None if status == "done" else tail[-2000:]})
+    return status
+
+
+def _brief(run_dir: str) -> str:
+    s = _read_json(os.path.join(run_dir, "summary.json")) or {}
+    acc = s.get("eval_accuracy_last")
+    return f" (held-out accuracy {acc:.3f})" if isinstance(acc, (int, float)) else ""
+
+
+# ============================================================================ child side
+
+def _child(role: str, run_dir: str) -> int:
+    """`run`: launch the run described by run_dir/launch_config.json; `sft`: the warm start
+    described by run_dir/experiment.json into run_dir/model."""
+    run_dir = os.path.abspath(run_dir)
+    if role == "sft":
+        from pipelinerl_jax import experiment
+        from pipelinerl_jax.launch import _sft_evaluator
+        from pipelinerl_jax.learner.sft import run_sft
+        cfg = ml_collections.ConfigDict(_read_json(os.path.join(run_dir, "experiment.json")))
+        experiment.validate(cfg)
+        print(json.dumps(run_sft(cfg, run_dir, progress=False, evaluate=_sft_evaluator(cfg))),
+              flush=True)
+        return 0
+    if role == "run":
+        from pipelinerl_jax.launch import launch
+        cfg = ml_collections.ConfigDict(_read_json(os.path.join(run_dir, "launch_config.json")))
+        print(json.dumps(launch(cfg, run_dir, progress=False)), flush=True)
+        return 0
+    raise SystemExit(f"unknown role {role!r} (valid: run, sft)")
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,168 @@
+"""The ablation runner end to end on a 2x2 micro-grid of 2-step tiny pipelines (real
+processes, real gRPC), then the cheap contracts: grid expansion errors and resume states."""
+import ast
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline_testlib import ROOT, TINY_FLAGS, make_init_checkpoint
+from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.experiments import grid, runner
+
+
+def _tiny_experiment():
+    sys.path.insert(0, ROOT)
+    from configs import default
+    e = default.get_config("quick")
+    for flag in TINY_FLAGS:
+        key, _, value = flag[len("--config."):].partition("=")
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            pass  # a string, e.g. the empty core list
+        node = e
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = value
+    e.learner.total_steps = 2
+    e.learner.eval_every = 0  # the evaluator's compile would double the test's time
+    e.learner.checkpoint_every = 2
+    e.lag_injection.enabled = True
+    return e
+
+
+def _micro_grid(init_ckpt):
+    c = grid.ablation_config(_tiny_experiment())
+    c.experiment.warm_start.checkpoint = init_ckpt
+    c.axes.lag = grid.sweep("lag_injection.k", (0, 1), also=("lag_injection.max_k",))
+    c.axes.seed = grid.sweep("seed", (0, 1))
+    c.runner.parallel = 2
+    return c
+
+
+@pytest.fixture(scope="module")
+def grid_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ablate")
+    init = make_init_checkpoint(str(base / "init"))
+    c = _micro_grid(init)
+    workdir = str(base / "grid")
+    first = runner.run_grid(c, workdir, log=lambda m: None)
+    return c, workdir, first
+
+
+NAMES = ["lag=0,seed=0", "lag=0,seed=1", "lag=1,seed=0", "lag=1,seed=1"]
+
+
+@pytest.mark.slow
+def test_grid_writes_results_table(grid_run):
+    c, workdir, first = grid_run
+    assert sorted(first["ran"]) == NAMES and not first["failed"] and not first["skipped"]
+    with open(os.path.join(workdir, "results.csv")) as f:
+        rows = list(csv.DictReader(f))
+    cols = rows[0].keys()
+    for col in ("run", "cell", "status", "lag", "seed", "mode", "loss", "injected_lag",
+                "kv_policy", "learning_rate", "step", "wall_time_s", "accuracy",
+                "reward/mean", "lag/mean", "loss/ess", "loss/lag_0/ess", "loss/lag_1/kl_k3"):
+        assert col in cols, col
+    # One row per run per logged step.
+    assert sorted((r["run"], int(r["step"])) for r in rows) == \
+        sorted((n, s) for n in NAMES for s in (1, 2))
+    for r in rows:
+        assert r["lag"] == r["injected_lag"] and r["status"] == "done"
+        assert r["cell"] == f"lag={r['lag']}"
+        if int(r["step"]) > 0:  # injected lag k: lag min(k, step - 1) at step `step`
+            assert float(r["lag/mean"]) == min(int(r["lag"]), int(r["step"]) - 1)
+    with open(os.path.join(workdir, "cells.csv")) as f:
+        cells = {r["cell"]: r for r in csv.DictReader(f)}
+    assert set(cells) == {"lag=0", "lag=1"}
+    assert all(cells[k]["runs"] == "2" and cells[k]["lag_mean_n"] == "2" for k in cells)
+    summary = json.load(open(os.path.join(workdir, "summary.json")))
+    assert len(summary["runs"]) == 4 and not summary["problems"]
+
+
+@pytest.mark.slow
+def test_second_invocation_skips_finished_runs(grid_run):
+    c, workdir, _ = grid_run
+    metrics = os.path.join(workdir, "runs", "lag=1,seed=0", "metrics.jsonl")
+    before = os.stat(metrics).st_mtime_ns
+    second = runner.run_grid(c, workdir, log=lambda m: None)
+    assert sorted(second["skipped"]) == NAMES and second["ran"] == [] == second["failed"]
+    assert os.stat(metrics).st_mtime_ns == before
+    # The command line says so too, without starting anything.
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments", "ablate.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'ablate', 'staleness.py')}:quick",
+         f"--workdir={workdir}", "--dry_run"], capture_output=True, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "6 runs" in out.stdout
+
+
+# ---------------------------------------------------------------------------- cheap contracts
+
+def test_expand_names_runs_and_cells():
+    c = grid.ablation_config(_tiny_experiment())
+    c.axes.loss = grid.variants(("reinforce", {"loss": {"name": "reinforce"}}),
+                                ("tis", {"loss": {"name": "tis", "cap": 3.0}}))
+    c.axes.seed = grid.sweep("seed", (0, 1))
+    runs = grid.expand(c)
+    assert [r.name for r in runs] == ["loss=reinforce,seed=0", "loss=reinforce,seed=1",
+                                      "loss=tis,seed=0", "loss=tis,seed=1"]
+    tis = runs[2]
+    assert tis.cell == "loss=tis" and tis.config.loss.name == "tis" and tis.config.loss.cap == 3.0
+    assert tis.config.seed == 0 and runs[0].config.loss.cap is None
+    c.axes.loss.only = "tis"
+    assert [r.name for r in grid.expand(c)] == ["loss=tis,seed=0", "loss=tis,seed=1"]
+
+
+@pytest.mark.parametrize("edit,key", [
+    (lambda c: setattr(c.axes, "lr", grid.sweep("learner.optimiser.lr", (1e-4,))), "axes.lr"),
+    (lambda c: setattr(c.axes.seed, "only", "7"), "axes.seed.only"),
+    (lambda c: setattr(c, "seed_axis", "seeds"), "seed_axis"),
+    (lambda c: setattr(c.axes, "loss", grid.variants(("ppo", {"loss": {"name": "ppo",
+                                                                       "cap": 2.0}}))),
+     "experiment.loss.cap"),
+])
+def test_expand_errors_name_the_key(edit, key):
+    c = grid.ablation_config(_tiny_experiment())
+    c.axes.seed = grid.sweep("seed", (0, 1))
+    edit(c)
+    with pytest.raises(ConfigError) as e:
+        grid.expand(c)
+    assert e.value.key == key
+
+
+def test_prepare_run_resume_states(tmp_path):
+    c = grid.ablation_config(_tiny_experiment())
+    c.axes.seed = grid.sweep("seed", (0,))
+    run = grid.expand(c)[0]
+    d = str(tmp_path / "run")
+    assert runner.prepare_run(run, d) == "start"
+    # Interrupted before any checkpoint: wiped and restarted.
+    open(os.path.join(d, "metrics.jsonl"), "w").write('{"step": 1}\n')
+    os.makedirs(os.path.join(d, "checkpoints", "2.orbax-checkpoint-tmp-1"))
+    assert runner.run_status(d) == "partial"
+    assert runner.prepare_run(run, d) == "start"
+    assert sorted(os.listdir(d)) == ["spec.json"]
+    # Interrupted after a committed checkpoint: resumed in place.
+    open(os.path.join(d, "metrics.jsonl"), "w").write('{"step": 1}\n')
+    os.makedirs(os.path.join(d, "checkpoints", "2"))
+    assert runner.prepare_run(run, d) == "resume"
+    assert os.path.exists(os.path.join(d, "metrics.jsonl"))
+    # A run whose grid config changed is not resumed from the old run's checkpoint.
+    c.experiment.learner.optimizer.learning_rate = 3e-4
+    assert runner.prepare_run(grid.expand(c)[0], d) == "start"
+    # Finished (or diverged) runs are skipped.
+    json.dump({"status": "diverged"}, open(os.path.join(d, "status.json"), "w"))
+    assert runner.prepare_run(run, d) == "skip"
+
+
+def test_split_cores():
+    assert runner.split_cores([0, 1], 2) == ["0", "1"]
+    assert runner.split_cores([0, 1, 2, 3], 2) == ["0,1", "2,3"]
+    assert runner.split_cores([5], 2) == ["5", "5"]

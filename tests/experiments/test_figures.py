@@ -1,0 +1,90 @@
+"""The figures script and the results tables on a small synthetic results directory."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline_testlib import ROOT
+from pipelinerl_jax.experiments import figures, results
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import synthetic  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def results_dir(tmp_path_factory):
+    return synthetic.write_results(str(tmp_path_factory.mktemp("results")))
+
+
+def test_script_draws_every_figure_and_names_bad_runs(results_dir, tmp_path):
+    out = tmp_path / "figs"
+    missing = str(tmp_path / "no_such_grid")
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "reproduce_figures.py"),
+         f"--results={results_dir},{missing}", f"--out={out}"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in figures.FIGURES:
+        for ext in ("png", "svg"):
+            path = out / f"{name}.{ext}"
+            assert path.exists() and path.stat().st_size > 5000, path
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not any("skipped" in f for f in facts["figures"].values())
+    # The malformed run and the missing directory are reported by name, and skipped.
+    assert any("broken_run" in p for p in facts["problems"])
+    assert any("no_such_grid" in p for p in facts["problems"])
+    assert "broken_run" in done.stdout and "no_such_grid" in done.stdout
+    # What the figures show comes from the logs: async steps are faster in the synthetic runs.
+    sva = facts["figures"]["sync_vs_async"]
+    assert sva["speedup_to_target"] > 1.0
+    assert set(facts["figures"]["lag_ablation"]["losses"]) == {"reinforce", "tis"}
+    assert facts["figures"]["lag_ablation"]["lags"] == [0, 2, 8]
+
+
+def test_figures_missing_their_runs_are_skipped_with_a_reason(results_dir, tmp_path):
+    only_injected = [os.path.join(results_dir, "runs", d)
+                     for d in os.listdir(os.path.join(results_dir, "runs")) if d.startswith("inj_")]
+    out = figures.make_all(only_injected, str(tmp_path), log=lambda m: None)["figures"]
+    assert "lag_ablation" in out and "path" in out["lag_ablation"]
+    for name in ("sync_vs_async", "kv_policy", "occupancy_vs_sim"):
+        assert "configs/ablate" in out[name]["skipped"] or "needs" in out[name]["skipped"]
+
+
+def test_tables_from_run_directories(results_dir):
+    tables = results.write_tables(results_dir)
+    assert any("broken_run" in p for p in tables["problems"])
+    with open(tables["tables"]["runs_csv"]) as f:
+        runs = {r["run"]: r for r in csv.DictReader(f)}
+    r = runs["lag=8,loss=tis,seed=1"]
+    assert r["cell"] == "lag=8,loss=tis" and r["loss"] == "tis" and r["injected_lag"] == "8"
+    assert float(r["initial_eval_accuracy"]) == 0.3 and int(r["steps"]) == 12
+    with open(tables["tables"]["cells_csv"]) as f:
+        cells = {c["cell"]: c for c in csv.DictReader(f)}
+    c = cells["lag=8,loss=tis"]
+    assert c["runs"] == "2" and c["final_eval_accuracy_n"] == "2"
+    assert float(c["final_eval_accuracy_min"]) <= float(c["final_eval_accuracy_mean"]) \
+        <= float(c["final_eval_accuracy_max"])
+
+
+def test_instability_events(tmp_path):
+    run = synthetic.write_run(str(tmp_path / "r"), injected=True, k=4)
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    rows[3]["loss/loss"] = "nan"  # how the learner logs a non-finite value
+    rows[3]["learner/skipped_steps"] = 1
+    rows[5]["loss/kl_k3"] = 2.0
+    rows[8]["eval/accuracy"] = 0.05  # below half the step-0 accuracy (0.3)
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = results.summarize_run(results.load_run(run), {"target_accuracy": 0.5})
+    assert s["nonfinite_steps"] == 1 and s["kl_spike_steps"] == 1
+    assert s["collapse_step"] == 8 and s["unstable"]
+    assert s["steps_to_target"] == 12 and s["time_to_target_s"] == rows[12]["wall_time_s"]
+    # A run whose metrics were appended after a resume: the last record of a step wins.
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(dict(rows[12], **{"eval/accuracy": 0.9})) + "\n")
+    again = results.load_run(run)
+    assert len(again.rows) == 13 and again.evals[-1][2] == 0.9
