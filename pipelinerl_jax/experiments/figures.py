@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pipelinerl_jax.experiments.results import Run, load_runs  # noqa: E402
+from pipelinerl_jax.experiments.results import Run, load_runs, summarize_run  # noqa: E402
 
 LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")  # losses/diagnostics.py
 DPI = 90
@@ -74,6 +74,10 @@ def _schedule_label(r: Run) -> str:
 
 def _schedule_order(label: str):
     return (0, 0) if label == "sync" else (1, int(label.rsplit("=", 1)[1]))
+
+
+def _injected_order(label: str):
+    return int(label.rsplit("=", 1)[1])
 
 
 def _groups(runs: Sequence[Run], key: Callable[[Run], str]) -> Dict[str, List[Run]]:
@@ -179,7 +183,7 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
         x = np.asarray([xpos[k] for k in ks], float) + (list(losses).index(loss) - len(losses) / 2) * 0.03
         ax.errorbar(x, [a[0] for a in acc], yerr=[a[1] for a in acc], color=color, marker="o",
                     ms=4, lw=1.4, capsize=2, label=loss)
-        ax_kl.plot(x, [max(k[0], 1e-6) for k in kl], "o-", color=color, ms=4, lw=1.4)
+        ax_kl.plot(x, [k[0] for k in kl], "o-", color=color, ms=4, lw=1.4)
         bad = [(xx, a[0]) for xx, k, a in zip(x, ks, acc) if any(map(_unstable, by_lag[k]))]
         if bad:
             ax.plot(*zip(*bad), "x", color="k", ms=7)
@@ -196,8 +200,9 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
     seeds = max(len(v) for v in _groups(runs, lambda r: r.cell).values())
     ax.set(ylabel="final held-out greedy accuracy",
            title=f"accuracy vs staleness (mean ± std, {seeds} seed{'s' * (seeds > 1)}; x = unstable)")
-    ax_kl.set(ylabel="mean KL(behaviour || current), k3", yscale="log",
-              title="off-policy drift during training")
+    ax_kl.set(ylabel="mean KL(behaviour || current), k3", title="off-policy drift during training")
+    ax_kl.set_yscale("symlog", linthresh=1e-3)
+    ax_kl.set_ylim(bottom=0)
     ax.legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     facts["path"] = _save(fig, out, "lag_ablation")
@@ -211,8 +216,8 @@ def _mean_metric(r: Run, key: str) -> Optional[float]:
 
 
 def _unstable(r: Run) -> bool:
-    _, _, skipped = r.series("learner/skipped_steps")
-    return r.status == "diverged" or bool((skipped > 0).any())
+    """Non-finite steps, an accuracy collapse, a KL spike or a diverged run (results.py)."""
+    return summarize_run(r, None)["unstable"]
 
 
 def diagnostics_by_lag(runs: Sequence[Run], out: str) -> dict:
@@ -246,7 +251,8 @@ def diagnostics_by_lag(runs: Sequence[Run], out: str) -> dict:
         ax.set_xticks(range(len(LAG_BUCKETS)), LAG_BUCKETS)
         ax.set(xlabel="lag bucket (versions)", title=title)
         ax.grid(alpha=0.3)
-    axes[2].set_yscale("log")
+    axes[2].set_yscale("symlog", linthresh=1e-3)
+    axes[2].set_ylim(bottom=0)
     axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return {"path": _save(fig, out, "diagnostics_by_lag"), "losses": facts}
@@ -442,9 +448,8 @@ def lengths_and_lag(runs: Sequence[Run], out: str, max_samples: int = 200_000) -
             if len(lengths) >= max_samples:
                 break
     hists = {}
-    for r in runs:
-        if _injected(r):
-            continue
+    scheduled = [r for r in runs if not _injected(r)]
+    for r in scheduled or runs:  # injected runs only when there is nothing else to show
         h = np.zeros(0)
         for row in r.rows:
             v = row.get("lag/hist")
@@ -454,7 +459,7 @@ def lengths_and_lag(runs: Sequence[Run], out: str, max_samples: int = 200_000) -
                     h = np.pad(h, (0, v.size - h.size))
                 h[: v.size] += v
         if h.sum() > 0:
-            label = _schedule_label(r)
+            label = _schedule_label(r) if scheduled else f"injected k={r.get('lag_injection.k')}"
             old = hists.get(label, np.zeros(0))
             n = max(old.size, h.size)
             hists[label] = np.pad(old, (0, n - old.size)) + np.pad(h, (0, n - h.size))
@@ -483,7 +488,7 @@ def lengths_and_lag(runs: Sequence[Run], out: str, max_samples: int = 200_000) -
         facts["lengths"] = {"samples": int(x.size), "median": med, "p99": p99,
                             "max": int(x.max()), "mean": float(x.mean())}
     if hists:
-        labels = sorted(hists, key=_schedule_order)
+        labels = sorted(hists, key=_schedule_order if scheduled else _injected_order)
         width = 0.8 / len(labels)
         facts["token_lag"] = {}
         for i, (label, color) in enumerate(zip(labels, _colors(len(labels)))):

@@ -31,6 +31,10 @@ import ml_collections
 from pipelinerl_jax.config import ConfigError
 
 
+# Sections every run must share: they decide what the one shared warm start is.
+SHARED_SECTIONS = ("model", "tokenizer", "task", "warm_start")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
     name: str  # "lag=8,loss=tis,seed=0" (axes in sorted order)
@@ -174,6 +178,10 @@ def expand(c: ml_collections.ConfigDict) -> List[RunSpec]:
                 _apply(cfg, dict(level), f"{where}.levels.{label}")
         name = ",".join(f"{n}={labels[n]}" for n in names)
         cell = ",".join(f"{n}={labels[n]}" for n in names if n != c.seed_axis) or "all"
+        for sec in SHARED_SECTIONS:
+            if cfg[sec].to_dict() != c.experiment[sec].to_dict():
+                raise ConfigError("axes", f"run {name} changes the {sec!r} section, but every "
+                                  f"run starts from one shared warm start; run a grid per {sec}")
         try:
             experiment.validate(cfg)
         except ConfigError as e:

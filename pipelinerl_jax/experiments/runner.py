@@ -39,6 +39,7 @@ from typing import List, Optional
 import ml_collections
 
 from pipelinerl_jax.experiments.grid import RunSpec, expand
+from pipelinerl_jax.launch import _tail
 
 FINAL = ("done", "diverged")
 
@@ -143,14 +144,6 @@ def _env(c, workdir: str) -> dict:
         env["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(path)
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     return env
-
-
-def _tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return "(no log)"
 
 
 class _Proc:

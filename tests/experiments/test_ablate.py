@@ -127,6 +127,7 @@ def test_expand_names_runs_and_cells():
     (lambda c: setattr(c.axes, "loss", grid.variants(("ppo", {"loss": {"name": "ppo",
                                                                        "cap": 2.0}}))),
      "experiment.loss.cap"),
+    (lambda c: setattr(c.axes, "len", grid.sweep("task.median_length", (4, 5))), "axes"),
 ])
 def test_expand_errors_name_the_key(edit, key):
     c = grid.ablation_config(_tiny_experiment())
