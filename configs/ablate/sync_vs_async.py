@@ -34,6 +34,7 @@ def get_config(arg: str = ""):
     c.axes.schedule = variants(*SCHEDULES)
     c.axes.seed = sweep("seed", (0,))
     c.runner.parallel = 1  # wall-clock comparison: never two runs at once
+    c.runner.warmup_steps = 20  # compile before timing: no run may be charged for it
     c.analysis.target_accuracy = 0.35
     if arg == "quick":
         c.experiment.learner.total_steps = 40

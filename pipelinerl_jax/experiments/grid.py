@@ -74,6 +74,7 @@ def ablation_config(experiment: ml_collections.ConfigDict) -> ml_collections.Con
         cores="",  # cores to use, e.g. "0-1"; "" = this process's affinity
         run_timeout_s=3600.0,  # a run still going after this is stopped and marked failed
         compilation_cache="auto",  # XLA persistent cache: 'auto' = WORKDIR/xla_cache, '' = off
+        warmup_steps=0,  # > 0: a throwaway run of the first run first, to fill the XLA cache
         warm_start_timeout_s=7200.0,
     ))
     c.analysis = ml_collections.ConfigDict(dict(

@@ -43,6 +43,10 @@ _FIRST_METRICS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy",
                   "lag/mean", "loss/ess", "loss/clip_frac", "loss/kl_k3")
 
 
+# Folders of a grid directory that hold no results (runner.py).
+NOT_RUNS = ("warm_start", "xla_cache", "warmup")
+
+
 class RunError(ValueError):
     pass
 
@@ -164,7 +168,7 @@ def find_run_dirs(roots: Iterable[str], max_depth: int = 3) -> Tuple[List[str], 
                 found.append(dirpath)
                 dirnames[:] = []  # a run's own subfolders (checkpoints, tb) are not runs
                 continue
-            dirnames[:] = sorted(d for d in dirnames if d not in ("warm_start", "xla_cache")) \
+            dirnames[:] = sorted(d for d in dirnames if d not in NOT_RUNS) \
                 if depth < max_depth else []
         if len(found) == before:
             problems.append(f"{root}: no run directories found")

@@ -39,7 +39,7 @@ def write_run(path, *, mode="async", max_lag=4, loss="tis", kv="keep", injected=
             json.dump({"name": name, "labels": labels, "cell": cell, "experiment": cfg}, f)
         with open(os.path.join(path, "status.json"), "w") as f:
             json.dump({"status": "done"}, f)
-    step_s = 3.0 if mode == "sync" else 2.0
+    step_s = 3.0 if mode == "sync" else 1.5
     lag = k if injected else (0 if mode == "sync" else min(max_lag, 2))
     t0 = 1.7e9
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
