@@ -86,7 +86,10 @@ def base_config() -> ml_collections.ConfigDict:
         sampler_cores="",  # cores for the rollout workers (shared among them)
     ))
     c.launch = ml_collections.ConfigDict(dict(
-        max_worker_restarts=3, startup_timeout_s=300.0, shutdown_timeout_s=20.0))
+        max_worker_restarts=3, startup_timeout_s=300.0, shutdown_timeout_s=20.0,
+        max_queue_restarts=3,  # a restarted queue is empty: workers regenerate what it lost
+        max_learner_restarts=0,  # >0: restart in place, resume from the last checkpoint
+    ))
     return c
 
 
@@ -194,6 +197,8 @@ def validate(cfg) -> None:
     if cfg.warm_start.steps:
         _int(cfg, "warm_start.steps")
         _int(cfg, "warm_start.batch_size", 1)
+    for key in ("max_worker_restarts", "max_queue_restarts", "max_learner_restarts"):
+        _int(cfg, f"launch.{key}")
     parse_cores(cfg.resources.learner_cores, "resources.learner_cores")
     parse_cores(cfg.resources.sampler_cores, "resources.sampler_cores")
     if tok.vocab_size <= 0:

@@ -341,7 +341,7 @@ class SGLangEngine(InferenceEngine):
             if self._failures:
                 rid, msg = next(iter(self._failures.items()))
                 del self._failures[rid]
-                raise RequestError(msg)
+                raise RequestError(msg, request_id=rid)
             n = len(self._outbox) if max_items is None else min(max_items, len(self._outbox))
             return [self._outbox.popleft() for _ in range(n)]
 
