@@ -36,6 +36,7 @@ class Checkpointer:
                                                  enable_async_checkpointing=async_save,
                                                  create=True))
         self._pending: Optional[int] = None  # step of the save in flight, if any
+        self._reported = False  # a save failure was raised to the caller already
 
     def latest_step(self) -> Optional[int]:
         return self._mngr.latest_step()
@@ -64,14 +65,16 @@ class Checkpointer:
 
     def _error(self, e: Exception) -> CheckpointSaveError:
         step, self._pending = self._pending, None
+        self._reported = True
         try:
             last = self._mngr.latest_step()
         except Exception:  # noqa: BLE001 - the message matters more than this detail
             last = None
         kept = (f"the last complete checkpoint, step {last}, is intact" if last is not None
                 else "there is no complete checkpoint yet")
-        return CheckpointSaveError(f"checkpoint save of step {step} to {self.directory} "
-                                   f"failed ({type(e).__name__}: {e}); {kept}")
+        what = f"of step {step} " if step is not None else ""
+        return CheckpointSaveError(f"checkpoint save {what}to {self.directory} failed "
+                                   f"({type(e).__name__}: {e}); {kept}")
 
     def restore(self, abstract_state: Any, step: Optional[int] = None,
                 history_like: Any = None) -> Tuple[Any, dict, int, dict]:
@@ -98,5 +101,15 @@ class Checkpointer:
         return out["state"], meta, step, history
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+        """Waits for a pending save, then closes. A failure raised to the caller already is
+        not raised again (orbax keeps a failed save's error and repeats it on close)."""
+        reported = self._reported
+        try:
+            self.wait()
+            self._mngr.close()
+        except CheckpointSaveError:
+            if not reported:
+                raise
+        except Exception as e:  # noqa: BLE001 - orbax's close re-raising the save's error
+            if not reported:
+                raise self._error(e) from e

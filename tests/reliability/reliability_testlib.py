@@ -122,3 +122,29 @@ def committed(workdir, step: int) -> bool:
 
 def sigkill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def tiny_config():
+    """The experiment config of the tiny runs, for in-process tests (worker, engine)."""
+    from pipelinerl_jax.experiment import base_config
+    cfg = base_config()
+    cfg.task.median_length, cfg.task.p99_length, cfg.task.max_length = 3, 6, 8
+    cfg.sampling.max_new_tokens = 9
+    cfg.engine.max_seq_len = cfg.model.max_seq_len = 32
+    cfg.engine.max_slots = 8
+    cfg.learner.batch_groups = cfg.rollout.group_size = 2
+    return cfg
+
+
+def weights_publisher_main(conn, files: dict, chunk_bytes: int,
+                           address: str = "127.0.0.1:0") -> None:
+    """A weight publisher process (a learner stand-in, meant to be SIGKILLed) driven over a
+    pipe: `version` publishes the safetensors file `files[version]` as that version."""
+    from safetensors.numpy import load_file
+    from pipelinerl_jax.transport.weights import WeightPublisher
+    pub = WeightPublisher(address, chunk_bytes=chunk_bytes)
+    conn.send(pub.port)
+    while True:
+        version = conn.recv()
+        pub.publish(version, load_file(files[version]))
+        conn.send(version)
