@@ -451,8 +451,10 @@ class SGLangEngine(InferenceEngine):
         try:
             answer = s.client.post("/generate", generate_body(job),
                                    timeout=self.config.request_timeout_s, stop=self._stop)
-            segments = [parse_output(item, job, self.config.pause_mode)
-                        for item in answer_items(answer, job)]
+            segments = [parse_output(item, job, self.config.pause_mode,
+                                     vocab_size=self.vocab_size,
+                                     max_tokens=smp.max_new - smp.n_generated)
+                        for item, smp in zip(answer_items(answer, job), job.samples)]
         except ServerUnavailable as e:
             self._release(job)
             if self._stop.is_set():  # closing: close() returns the samples as 'abort'
