@@ -411,4 +411,15 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001
+        # A child that fails must exit, so the launcher sees it: an exception that skipped
+        # the child's cleanup leaves non-daemon threads (gRPC servers, checkpoint and
+        # TensorBoard writers) that would keep the interpreter alive forever.
+        import traceback
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(code)

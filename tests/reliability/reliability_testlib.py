@@ -148,3 +148,27 @@ def weights_publisher_main(conn, files: dict, chunk_bytes: int,
         version = conn.recv()
         pub.publish(version, load_file(files[version]))
         conn.send(version)
+
+
+def run_config(workdir) -> dict:
+    with open(os.path.join(workdir, "config.json")) as f:
+        return json.load(f)
+
+
+def queue_client(workdir):
+    """A RolloutQueueClient to the run's queue (address and credentials from config.json)."""
+    import ml_collections
+    from pipelinerl_jax.transport import RolloutQueueClient, client_kwargs, queue_address
+    t = ml_collections.ConfigDict(run_config(workdir)["transport"])
+    return RolloutQueueClient(queue_address(t), **client_kwargs(t))
+
+
+def checkpoint_state(workdir, step: int) -> list:
+    """The leaves of the TrainState saved at `step` (host arrays)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from pipelinerl_jax.learner.checkpoint import Checkpointer
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    out = ckpt._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    ckpt.close()
+    return jax.tree.leaves(jax.device_get(out["state"]))
