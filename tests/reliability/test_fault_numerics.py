@@ -26,9 +26,11 @@ pytestmark = pytest.mark.slow
 
 # The worker keeps the queue max_lag batches ahead, so a group put now is trained ~max_lag
 # steps later: 'keep' delivers it (counted as stale) instead of dropping it.
+# Truncated answers earn -1 (EOS-ended ones 0): the good steps really change the parameters.
 FLAGS = ("--config.learner.total_steps=40", "--config.learner.max_consecutive_skips=3",
-         "--config.learner.checkpoint_every=1", "--config.learner.keep_checkpoints=12",
-         "--config.max_lag=2", "--config.transport.stale_policy=keep")
+         "--config.learner.checkpoint_every=1", "--config.learner.keep_checkpoints=40",
+         "--config.max_lag=2", "--config.transport.stale_policy=keep",
+         "--config.task.truncated_reward=-1.0", "--config.sampling.max_new_tokens=20")
 HUGE = 3e38  # finite (float32 max is 3.4e38), but advantage x log-prob overflows
 
 
@@ -126,9 +128,12 @@ def test_non_finite_steps_are_skipped_then_too_many_stop_the_run(tmp_path, init_
         poisoned = any(g.startswith("poison-") for g in b["group_ids"])
         assert b["update_skipped"] == poisoned, b
         assert not any(g.startswith("hostile-") for g in b["group_ids"])
-    # The checkpoint written at the stop holds the state of the last good step, exactly.
+    # The checkpoint written at the stop holds the state of the last good step, exactly
+    # (while the good steps before it did change the parameters).
     last_good = checkpoint_state(workdir, stop_step - 3)
     at_stop = checkpoint_state(workdir, stop_step)
     assert len(last_good) == len(at_stop)
     for a, b in zip(last_good, at_stop):
         np.testing.assert_array_equal(a, b)
+    first = checkpoint_state(workdir, 1)
+    assert any(not np.array_equal(a, b) for a, b in zip(first, last_good))
