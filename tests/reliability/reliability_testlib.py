@@ -106,10 +106,6 @@ def pid_of(workdir, child: str) -> int:
     return starts[-1]["pid"]
 
 
-def starts(workdir, child: str) -> int:
-    return sum(e["event"] == "start" and e["child"] == child for e in events(workdir))
-
-
 def max_step(workdir) -> int:
     rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     return max((r["step"] for r in rows), default=0)

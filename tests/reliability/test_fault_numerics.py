@@ -102,8 +102,9 @@ def test_non_finite_steps_are_skipped_then_too_many_stop_the_run(tmp_path, init_
         wait_for(lambda: max_step(workdir) >= _skipped(workdir)[0] + 2, workdir, proc,
                  what="training after the skipped step")
         version = client.stats()["learner_version"]
-        for i in range(1, 13):  # a flood: every following batch overflows
-            client.put_group(_group(f"poison-{i}", version))
+        # A flood, in one atomic put so that no worker group lands between them: the next
+        # six batches all overflow.
+        client.put([r for i in range(1, 13) for r in _group(f"poison-{i}", version)])
         client.close()
         code = finish(proc, workdir)
     finally:

@@ -12,8 +12,8 @@ import re
 import pytest
 
 from tests.reliability.reliability_testlib import (
-    committed, events, finish, logs, max_step, pid_of, read_jsonl, sigkill, start_train,
-    starts, stop, wait_for)
+    committed, events, finish, logs, max_step, pid_of, read_jsonl, sigkill, start_train, stop,
+    wait_for)
 
 pytestmark = pytest.mark.slow
 
