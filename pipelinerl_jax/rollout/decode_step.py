@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from pipelinerl_jax.models import Decoder, KVCache
