@@ -50,6 +50,10 @@ class Checkpointer:
             raise CheckpointSaveError(
                 f"checkpoint save of step {step} to {self.directory} failed: {e}") from e
 
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written (errors surface in `wait`)."""
+        return self._mngr.is_saving_in_progress()
+
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are durable; re-raises their errors."""
         try:

@@ -259,6 +259,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         writer.write(step, record)
         if step % L.checkpoint_every == 0 or step == L.total_steps:
             checkpoint()
+        elif covered and not ckpt.saving():  # that save is durable: let the queue forget
+            ckpt.wait()
+            client.ack(covered)
+            covered = []
         if consecutive_skips >= L.max_consecutive_skips:
             checkpoint()
             ckpt.wait()
