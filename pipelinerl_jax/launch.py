@@ -329,6 +329,9 @@ def _child(role: str, workdir: str, index: int) -> int:
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stop.set())
+    if role != "queue":
+        from pipelinerl_jax import compile_cache
+        compile_cache.enable()
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 

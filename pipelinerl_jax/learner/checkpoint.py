@@ -55,6 +55,10 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - report what failed and where
             raise self._error(e) from e
 
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written (errors surface in `wait`)."""
+        return self._mngr.is_saving_in_progress()
+
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are durable; re-raises their errors."""
         try:

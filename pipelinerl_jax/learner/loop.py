@@ -126,12 +126,14 @@ class Evaluator:
                                                  temperature=0.0,
                                                  stop_token_ids=(self.tok.eos_id,)))
                 for i, p in enumerate(self.problems)]
+        t0 = time.time()
         outs = self.engine.generate(reqs)
         correct = [self.task.reward(p, self.tok.decode(c.token_ids, stop_at_eos=True),
                                     c.finish_reason).correct
                    for p, c in zip(self.problems, outs)]
         return {"eval/accuracy": float(np.mean(correct)),
-                "eval/response_length_mean": float(np.mean([len(c.token_ids) for c in outs]))}
+                "eval/response_length_mean": float(np.mean([len(c.token_ids) for c in outs])),
+                "eval/time_s": time.time() - t0}
 
     def close(self):
         self.engine.close()
@@ -303,6 +305,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         writer.write(step, record)
         if step % L.checkpoint_every == 0 or step == L.total_steps:
             checkpoint()
+        elif covered and not ckpt.saving():  # that save is durable: let the queue forget
+            ckpt.wait()
+            client.ack(covered)
+            covered = []
         if consecutive_skips >= L.max_consecutive_skips:
             checkpoint()
             ckpt.wait()
