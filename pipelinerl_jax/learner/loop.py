@@ -307,7 +307,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
             checkpoint()
         elif covered and not ckpt.saving():  # that save is durable: let the queue forget
             ckpt.wait()
-            client.ack(covered)
+            ack(covered)
             covered = []
         if consecutive_skips >= L.max_consecutive_skips:
             checkpoint()
