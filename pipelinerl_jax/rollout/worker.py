@@ -156,8 +156,10 @@ class RolloutWorker:
             return False  # no learner has announced itself to the queue yet
         if self.cfg.lag_injection.enabled:
             return self._can_admit_injected(learner)
-        if self.engine.version > learner:
-            return False  # the learner restarted from an older checkpoint: its weights come
+        if self.engine.version > learner:  # announced before it was shipped: look again
+            learner = int(self._queue_stats(max_age_s=0.0)["learner_version"])
+            if self.engine.version > learner:
+                return False  # the learner restarted from an older checkpoint: its weights come
         for k in [k for k in self._slots if k < learner]:
             del self._slots[k]  # batches the learner has consumed
         k = learner
