@@ -13,7 +13,7 @@ from pipelinerl_jax.experiment import base_config
 def get_config(arg: str = ""):
     c = base_config()
     c.mode = "async"
-    c.max_lag = 4
+    c.max_lag = 2
     c.task.name = "reverse"
     c.task.median_length = 12
     c.task.p99_length = 69
@@ -26,12 +26,16 @@ def get_config(arg: str = ""):
     c.rollout.advantage.estimator = "grpo"
     c.loss.name = "tis"
     c.learner.batch_groups = 8
-    c.learner.total_steps = 150
-    c.learner.optimizer.learning_rate = 5e-4
+    c.learner.total_steps = 200
+    # RL moves a tiny model fast: at 5e-4 the KL to the behaviour policy reached 0.4
+    # nats/token within 5 steps and accuracy collapsed; 3e-4 was unstable; 1e-4 climbs.
+    c.learner.optimizer.learning_rate = 1e-4
     c.learner.eval_every = 25
-    c.learner.eval_size = 128
-    c.learner.checkpoint_every = 25
-    c.warm_start.steps = 1500
+    c.learner.eval_size = 256
+    c.learner.checkpoint_every = 50
+    # ~27% held-out exact match after 300 supervised steps (the curve is steep: ~80% at
+    # 500), which leaves RL room to show its work.
+    c.warm_start.steps = 300
     c.resources.learner_cores = "0"
     c.resources.sampler_cores = "1"
     if arg == "quick":  # a minute-scale smoke run of the same pipeline

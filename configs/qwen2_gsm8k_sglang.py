@@ -74,6 +74,8 @@ def get_config(arg: str = "gpu8"):
     c.learner.optimizer.warmup_steps = 10
     c.learner.eval_every = 50
     c.learner.eval_size = 200
-    c.learner.checkpoint_every = 50
+    # Rollouts stay queued until the checkpoint covering them is durable: 256 rows x
+    # (2 x 25 + max_lag + 2) fits the default 16384-rollout queue.
+    c.learner.checkpoint_every = 25
     c.warm_start.steps = 0  # the checkpoint is already instruction-tuned
     return c

@@ -79,6 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.transport = transport_config()
     c.transport.queue_port = 0  # 0 = the launcher picks free ports
     c.transport.weights_port = 0
+    c.transport.capacity_rollouts = 16384
     c.lag_injection = ml_collections.ConfigDict(dict(
         enabled=False, kind="fixed", k=0, max_k=8, seed=0))
     c.resources = ml_collections.ConfigDict(dict(
@@ -86,7 +87,10 @@ def base_config() -> ml_collections.ConfigDict:
         sampler_cores="",  # cores for the rollout workers (shared among them)
     ))
     c.launch = ml_collections.ConfigDict(dict(
-        max_worker_restarts=3, startup_timeout_s=300.0, shutdown_timeout_s=20.0))
+        max_worker_restarts=3, startup_timeout_s=300.0, shutdown_timeout_s=20.0,
+        max_queue_restarts=3,  # a restarted queue is empty: workers regenerate what it lost
+        max_learner_restarts=0,  # >0: restart in place, resume from the last checkpoint
+    ))
     return c
 
 
@@ -183,6 +187,15 @@ def validate(cfg) -> None:
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"learner.optimizer.{key}", f"must be a positive number, got {v!r}")
 
+    # The queue holds every rollout until the checkpoint covering its step is durable; too
+    # small a capacity would stall producers (and so the learner) between checkpoints.
+    held = rows * (2 * L.checkpoint_every + cfg.max_lag + 2)
+    if cfg.transport.capacity_rollouts < held:
+        raise ConfigError("transport.capacity_rollouts", f"{cfg.transport.capacity_rollouts} "
+                          f"cannot hold the {held} rollouts that may await a durable checkpoint "
+                          f"(batch {rows} x (2 x learner.checkpoint_every {L.checkpoint_every} "
+                          f"+ max_lag {cfg.max_lag} + 2)); raise it or checkpoint more often")
+
     inj = cfg.lag_injection
     if inj.enabled:
         if inj.kind not in INJECTION_KINDS:
@@ -194,6 +207,8 @@ def validate(cfg) -> None:
     if cfg.warm_start.steps:
         _int(cfg, "warm_start.steps")
         _int(cfg, "warm_start.batch_size", 1)
+    for key in ("max_worker_restarts", "max_queue_restarts", "max_learner_restarts"):
+        _int(cfg, f"launch.{key}")
     parse_cores(cfg.resources.learner_cores, "resources.learner_cores")
     parse_cores(cfg.resources.sampler_cores, "resources.sampler_cores")
     if tok.vocab_size <= 0:

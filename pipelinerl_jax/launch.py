@@ -7,9 +7,13 @@
    a checkpoint is given or already in the workdir (`workdir/warm_start/model`);
 3. start the queue server, the learner and `rollout.num_workers` workers, each pinned to its
    cores (`resources.*`; set before JAX is imported, so XLA sizes its thread pool to them);
-4. watch them: show a progress bar fed by `metrics.jsonl`; restart a worker that dies (up to
-   `launch.max_worker_restarts`); if the queue or learner dies, stop everything and fail with
-   the tail of its log; on Ctrl-C / SIGTERM stop the children cleanly;
+4. watch them: show a progress bar fed by `metrics.jsonl`; restart a child that dies, up to
+   `launch.max_{worker,queue,learner}_restarts` times (a restarted queue comes back empty on
+   the same address: clients reconnect, workers regenerate what it lost; a restarted learner
+   resumes from its last committed checkpoint and the queue redelivers what it had not
+   acknowledged); past that, stop everything and fail with the tail of the child's log;
+   on Ctrl-C / SIGTERM stop the children cleanly. Every start and restart is a line of
+   `workdir/events.jsonl` (time, child, pid, exit code);
 5. when the learner finishes, stop workers and queue, and plot reward vs wall-clock.
 
 Every address is a config value (`transport.host`, ports; 0 = pick a free port), so the
@@ -63,6 +67,7 @@ class Child:
         self.restarts = 0
 
     def start(self) -> "Child":
+        from pipelinerl_jax.metrics import append_jsonl
         os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
         log = open(self.log_path, "a")
         cmd = [sys.executable, "-m", "pipelinerl_jax.launch", f"--role={self.role}",
@@ -72,7 +77,25 @@ class Child:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=dict(os.environ))
         log.close()
+        append_jsonl(os.path.join(self.workdir, "events.jsonl"), [{
+            "time_s": time.time(), "event": "start", "child": self.name, "pid": self.proc.pid,
+            "restarts": self.restarts}])
         return self
+
+    def restart(self, code: int, limit: int) -> None:
+        """Starts the child again after it exited with `code`; LaunchError past `limit`."""
+        from pipelinerl_jax.metrics import append_jsonl
+        append_jsonl(os.path.join(self.workdir, "events.jsonl"), [{
+            "time_s": time.time(), "event": "exit", "child": self.name, "code": code,
+            "restarts": self.restarts}])
+        if self.restarts >= limit:
+            raise LaunchError(f"{self.name} exited with {code} and was restarted "
+                              f"{self.restarts} times already (limit {limit}):\n"
+                              f"{_tail(self.log_path)}")
+        self.restarts += 1
+        with open(self.log_path, "a") as f:
+            f.write(f"\n[launcher] {self.name} exited with {code}; restart {self.restarts}\n")
+        self.start()
 
     def poll(self) -> Optional[int]:
         return None if self.proc is None else self.proc.poll()
@@ -225,21 +248,15 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
             if code == 0:
                 break
             if code is not None:
-                raise LaunchError(f"learner exited with {code}:\n{_tail(learner.log_path)}")
-            if queue.poll() is not None:
-                raise LaunchError(f"queue server exited with {queue.poll()}:\n"
-                                  f"{_tail(queue.log_path)}")
+                learner.restart(code, cfg.launch.max_learner_restarts)
+            code = queue.poll()
+            if code is not None:  # same address; it comes back empty
+                queue.restart(code, cfg.launch.max_queue_restarts)
+                _wait_queue(cfg, queue)
             for w in workers:
                 code = w.poll()
-                if code is None:
-                    continue
-                if w.restarts >= cfg.launch.max_worker_restarts:
-                    raise LaunchError(f"{w.name} exited with {code} and was restarted "
-                                      f"{w.restarts} times already:\n{_tail(w.log_path)}")
-                w.restarts += 1
-                with open(w.log_path, "a") as f:
-                    f.write(f"\n[launcher] {w.name} exited with {code}; restart {w.restarts}\n")
-                w.start()
+                if code is not None:
+                    w.restart(code, cfg.launch.max_worker_restarts)
             time.sleep(0.5)
         if monitor is not None:
             monitor.close()
@@ -312,6 +329,9 @@ def _child(role: str, workdir: str, index: int) -> int:
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stop.set())
+    if role != "queue":
+        from pipelinerl_jax import compile_cache
+        compile_cache.enable()
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -394,4 +414,15 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001
+        # A child that fails must exit, so the launcher sees it: an exception that skipped
+        # the child's cleanup leaves non-daemon threads (gRPC servers, checkpoint and
+        # TensorBoard writers) that would keep the interpreter alive forever.
+        import traceback
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(code)

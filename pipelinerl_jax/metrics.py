@@ -91,14 +91,23 @@ def plot_reward(workdir: str, out: Optional[str] = None, title: str = "") -> str
     def series(key):
         pts = [(r["wall_time_s"] / 60, r[key]) for r in rows
                if isinstance(r.get(key), (int, float)) and "wall_time_s" in r]
-        return zip(*pts) if pts else ((), ())
+        return [np.asarray(v, np.float64) for v in zip(*pts)] if pts else (None, None)
 
-    for key, style, label in (("reward/mean", "-", "train reward"),
-                              ("accuracy", "-", "train accuracy"),
-                              ("eval/accuracy", "o-", "held-out greedy accuracy")):
-        x, y = series(key)
-        if x:
-            ax.plot(x, y, style, label=label, markersize=4, alpha=0.9 if "eval" in key else 0.6)
+    def smooth(y, n=10):  # trailing moving average: per-batch reward is noisy
+        c = np.cumsum(np.insert(y, 0, 0.0))
+        k = np.minimum(np.arange(1, len(y) + 1), n)
+        return (c[1:] - c[np.arange(1, len(y) + 1) - k]) / k
+
+    x, reward = series("reward/mean")
+    _, acc = series("accuracy")
+    if x is not None:
+        ax.plot(x, reward, color="tab:blue", alpha=0.2, linewidth=0.8)
+        ax.plot(x, smooth(reward), color="tab:blue", label="train reward (10-step mean)")
+        if acc is not None and not np.allclose(acc, reward):
+            ax.plot(x, smooth(acc), color="tab:orange", label="train accuracy (10-step mean)")
+    x, ev = series("eval/accuracy")
+    if x is not None:
+        ax.plot(x, ev, "o-", color="tab:green", markersize=4, label="held-out greedy accuracy")
     ax.set_xlabel("wall-clock (minutes)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

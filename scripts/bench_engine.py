@@ -91,8 +91,9 @@ def bench_tunix(path, batch, prompt_len, new_tokens, repeats):
     """Runs Tunix's sampler in its own virtualenv (this script's --tunix-worker mode);
     returns (tok/s, "") or (None, one-line reason)."""
     if not os.path.exists(TUNIX_PYTHON):
-        return None, f"no Tunix venv at {TUNIX_PYTHON} (python -m venv --system-site-packages " \
-                     f"{os.path.dirname(os.path.dirname(TUNIX_PYTHON))} && pip install google-tunix)"
+        venv = os.path.dirname(os.path.dirname(TUNIX_PYTHON))
+        return None, (f"no Tunix venv at {venv} (python -m venv --system-site-packages "
+                      f"{venv} && {venv}/bin/pip install google-tunix)")
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(
         __file__)))}
     try:
@@ -164,7 +165,7 @@ def straggler(model, num_requests, slots, seed=0):
     lengths = np.minimum(np.maximum(rng.lognormal(3.3, 0.9, num_requests), 1), 200).astype(int)
     ids = prompts(num_requests, 8, model.cfg.vocab_size, seed)
     eng = JaxEngine(model, dict(max_slots=slots, max_seq_len=256, prefill_buckets=(16,),
-                                max_prefill_batch=slots, steps_per_sync=8))
+                                max_prefill_batch=slots))
     eng.warmup()
 
     def reqs(tag):
@@ -204,7 +205,7 @@ def main():
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--batches-100m", default="1,8,32,128")
     ap.add_argument("--peers", default="hf,tunix")
-    ap.add_argument("--steps-per-sync", type=int, default=8)
+    ap.add_argument("--steps-per-sync", type=int, default=16)
     args = ap.parse_args()
     import jax
     from flax import nnx
@@ -218,7 +219,7 @@ def main():
             cfg, prompt_len, new_tokens, repeats = tiny_config(), 32, 224, 2
             batches = [int(b) for b in args.batches.split(",")]
         else:
-            cfg, prompt_len, new_tokens, repeats = config_100m(), 32, 64, 1
+            cfg, prompt_len, new_tokens, repeats = config_100m(), 32, 128, 1
             batches = [int(b) for b in args.batches_100m.split(",")]
         if args.quick:
             new_tokens = 32
@@ -226,7 +227,9 @@ def main():
         path = tempfile.mkdtemp(prefix=f"bench_engine_{name}_")
         save_pretrained(model, path)
         for b in batches:
-            n = new_tokens if not (name == "100m" and b >= 128) else new_tokens // 4
+            n = new_tokens
+            if name == "100m" and (b == 1 or b >= 128):  # keep the whole run near 10 minutes
+                n = new_tokens // 2 if b == 1 else new_tokens // 8
             row = {"model": name, "params_m": round(cfg.num_params / 1e6, 2), "batch": b,
                    "prompt_len": prompt_len, "new_tokens": n}
             row["jax_engine_tok_s"] = round(bench_jax(model, b, prompt_len, n,

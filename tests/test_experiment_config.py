@@ -38,6 +38,7 @@ def test_default_and_quick_configs_validate():
     ("sampler.kind", "vllm", r"^sampler\.kind"),
     ("resources.learner_cores", "0-x", r"^resources\.learner_cores"),
     ("learner.optimizer.learning_rate", 0.0, r"^learner\.optimizer\.learning_rate"),
+    ("transport.capacity_rollouts", 2000, r"^transport\.capacity_rollouts: 2000 cannot hold"),
 ])
 def test_invalid_values_name_the_key(key, value, match):
     cfg = _default()

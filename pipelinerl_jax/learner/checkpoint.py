@@ -8,8 +8,10 @@ previous save is written); `keep` bounds how many are kept. Restoring places eve
 directly into the sharding of the abstract target.
 
 A save that fails (disk full, unwritable directory) raises `CheckpointSaveError` naming the
-directory; earlier checkpoints are untouched because orbax writes to a temporary directory
-and renames it only when complete.
+step, the directory, the underlying error and the last complete checkpoint; earlier
+checkpoints are untouched because orbax writes to a temporary directory
+(`<step>.orbax-checkpoint-tmp*`) and renames it only when complete, and `latest_step()` never
+returns a half-written one. An asynchronous save's error surfaces at the next `save`/`wait`.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                  enable_async_checkpointing=async_save,
                                                  create=True))
+        self._pending: Optional[int] = None  # step of the save in flight, if any
+        self._reported = False  # a save failure was raised to the caller already
 
     def latest_step(self) -> Optional[int]:
         return self._mngr.latest_step()
@@ -44,18 +48,37 @@ class Checkpointer:
         items = dict(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         if history:
             items["history"] = ocp.args.StandardSave({f"v{v}": p for v, p in history.items()})
+        self.wait()  # a failure of the previous (asynchronous) save is reported first
+        self._pending = step
         try:
             self._mngr.save(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - report what failed and where
-            raise CheckpointSaveError(
-                f"checkpoint save of step {step} to {self.directory} failed: {e}") from e
+            raise self._error(e) from e
+
+    def saving(self) -> bool:
+        """Whether an asynchronous save is still being written (errors surface in `wait`)."""
+        return self._mngr.is_saving_in_progress()
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are durable; re-raises their errors."""
         try:
             self._mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise CheckpointSaveError(f"checkpoint save to {self.directory} failed: {e}") from e
+            raise self._error(e) from e
+        self._pending = None
+
+    def _error(self, e: Exception) -> CheckpointSaveError:
+        step, self._pending = self._pending, None
+        self._reported = True
+        try:
+            last = self._mngr.latest_step()
+        except Exception:  # noqa: BLE001 - the message matters more than this detail
+            last = None
+        kept = (f"the last complete checkpoint, step {last}, is intact" if last is not None
+                else "there is no complete checkpoint yet")
+        what = f"of step {step} " if step is not None else ""
+        return CheckpointSaveError(f"checkpoint save {what}to {self.directory} failed "
+                                   f"({type(e).__name__}: {e}); {kept}")
 
     def restore(self, abstract_state: Any, step: Optional[int] = None,
                 history_like: Any = None) -> Tuple[Any, dict, int, dict]:
@@ -82,5 +105,15 @@ class Checkpointer:
         return out["state"], meta, step, history
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+        """Waits for a pending save, then closes. A failure raised to the caller already is
+        not raised again (orbax keeps a failed save's error and repeats it on close)."""
+        reported = self._reported
+        try:
+            self.wait()
+            self._mngr.close()
+        except CheckpointSaveError:
+            if not reported:
+                raise
+        except Exception as e:  # noqa: BLE001 - orbax's close re-raising the save's error
+            if not reported:
+                raise self._error(e) from e

@@ -11,10 +11,15 @@ transport, the loop, the end. One learner step:
 
 At-least-once delivery + the trained-batch ids stored in each checkpoint make a crash safe:
 unacknowledged batches are redelivered to the restarted learner, which retrains those after
-its checkpoint and skips (and acks) any whose step was already committed.
+its checkpoint and skips (and acks) any whose step was already committed. Every delivered
+batch is a line of `workdir/batches.jsonl` (what was trained, or skipped, and its groups),
+the audit trail of what the model saw. A queue that is unreachable (restarting) is waited
+for: `get_batch` is retried, and the version is announced again with every call, so a
+restarted, empty queue learns it at once.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -58,6 +63,19 @@ def _group_key(group_id: str):
     """Sort key making batch row order independent of arrival order (determinism)."""
     head, _, tail = group_id.rpartition("-")
     return (head, int(tail)) if tail.isdigit() else (group_id, 0)
+
+
+def batch_record(batch, rollouts, action: str, step: int, version: int) -> dict:
+    """One line of `batches.jsonl`: a delivered batch, what the learner did with it
+    ('trained' at `version` into `step`, or 'skipped_committed'), and its groups (whole
+    groups only: `incomplete_groups` lists any with fewer members than their group_size)."""
+    members = collections.Counter(r.group_id for r in rollouts)
+    declared = {r.group_id: r.group_size for r in rollouts}
+    return {"time_s": time.time(), "pid": os.getpid(), "batch_id": batch.batch_id,
+            "action": action, "step": step, "version": version,
+            "delivery_count": int(batch.delivery_count), "num_rollouts": len(rollouts),
+            "num_groups": len(members), "group_ids": sorted(members),
+            "incomplete_groups": sorted(g for g, n in members.items() if n != declared[g])}
 
 
 def batch_metrics(rollouts, packed, version: int) -> dict:
@@ -108,12 +126,14 @@ class Evaluator:
                                                  temperature=0.0,
                                                  stop_token_ids=(self.tok.eos_id,)))
                 for i, p in enumerate(self.problems)]
+        t0 = time.time()
         outs = self.engine.generate(reqs)
         correct = [self.task.reward(p, self.tok.decode(c.token_ids, stop_at_eos=True),
                                     c.finish_reason).correct
                    for p, c in zip(self.problems, outs)]
         return {"eval/accuracy": float(np.mean(correct)),
-                "eval/response_length_mean": float(np.mean([len(c.token_ids) for c in outs]))}
+                "eval/response_length_mean": float(np.mean([len(c.token_ids) for c in outs])),
+                "eval/time_s": time.time() - t0}
 
     def close(self):
         self.engine.close()
@@ -128,6 +148,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
     from pipelinerl_jax.tokenizers import get_tokenizer
     from pipelinerl_jax.transport import (RolloutQueueClient, WeightPublisher, client_kwargs,
                                           publisher_kwargs, queue_address, weights_address)
+    from pipelinerl_jax.transport.queue_client import QueueUnavailable
 
     L = cfg.learner
     tok, task = get_tokenizer(cfg.tokenizer), get_task(cfg.task)
@@ -171,7 +192,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
         it may reach the queue the moment an engine has it)."""
         flat = flat_host_params(state.params)
-        client.set_version(version)
+        try:
+            client.set_version(version)
+        except QueueUnavailable as e:  # restarting: the next get_batch announces it
+            log.warning("could not announce version %d to the queue: %s", version, e)
         if inj.enabled:  # ship version - k's weights, tagged with their policy version
             history[version] = jax.device_get(state.params)
             for v in [v for v in history if v < version - inj.max_k]:
@@ -200,12 +224,26 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
     unacked: List[str] = []  # trained, not yet covered by a durable checkpoint
     covered: List[str] = []  # covered by the checkpoint being saved
     consecutive_skips, last = 0, {}
+    queue_errors = 0
+    batch_log = os.path.join(workdir, "batches.jsonl")
+    unacked_ids: List[str] = []  # committed, but the ack did not reach the queue yet
+
+    def ack(batch_ids):
+        nonlocal unacked_ids
+        todo = unacked_ids + list(batch_ids)
+        if not todo:
+            return
+        try:
+            client.ack(todo)
+            unacked_ids = []
+        except QueueUnavailable as e:  # retried with the next checkpoint's acks
+            log.warning("ack of %d batches failed: %s", len(todo), e)
+            unacked_ids = todo
 
     def checkpoint():
         nonlocal unacked, covered
         ckpt.wait()  # the previous save is durable: its batches may be forgotten
-        if covered:
-            client.ack(covered)
+        ack(covered)
         ckpt.save(step, state, {"version": version, "trained_batch_ids": trained[-10000:],
                                 "wall_time_s": time.time() - t0}, history=history)
         covered, unacked = unacked, []
@@ -217,15 +255,22 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
     # ------------------------------------------------------------------ loop
     while step < L.total_steps and not (stop_event is not None and stop_event.is_set()):
         t_wait = time.time()
-        batch = client.get_batch(L.batch_groups, timeout_s=L.get_timeout_s,
-                                 learner_version=version)
+        try:
+            batch = client.get_batch(L.batch_groups, timeout_s=L.get_timeout_s,
+                                     learner_version=version)
+        except QueueUnavailable as e:  # the queue is down or restarting: wait for it
+            queue_errors += 1
+            log.warning("queue unavailable (%s); retrying", e)
+            continue
         if batch is None:
             continue
         wait_s = time.time() - t_wait
-        if batch.batch_id in trained_set:  # committed before a crash: never train twice
-            client.ack([batch.batch_id])
-            continue
         rollouts = sorted(batch.rollouts, key=lambda r: _group_key(r.group_id))
+        if batch.batch_id in trained_set:  # committed before a crash: never train twice
+            append_jsonl(batch_log, [batch_record(batch, rollouts, "skipped_committed", step,
+                                                  version)])
+            ack([batch.batch_id])
+            continue
         packed = batching.pack(rollouts, version, **pack_kw)
         t_step = time.time()
         state, metrics = step_fn(state, packed.arrays)
@@ -234,6 +279,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         skipped = int(metrics["skipped"])
         consecutive_skips = consecutive_skips + 1 if skipped else 0
 
+        append_jsonl(batch_log, [dict(batch_record(batch, rollouts, "trained", step + 1,
+                                                   version), update_skipped=bool(skipped))])
         step += 1
         version += 1
         trained.append(batch.batch_id)
@@ -248,7 +295,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
                   "learner/tokens": packed.num_tokens, "learner/pack_fill": packed.fill,
                   "learner/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
                   "learner/lr": float(schedule(step - 1)), "learner/skipped_steps": skipped,
-                  "weight_sync/time_s": sync_s, "queue/redelivered": int(batch.redelivered)}
+                  "weight_sync/time_s": sync_s, "queue/redelivered": int(batch.redelivered),
+                  "queue/unavailable_errors": queue_errors}
         record.update(batch_metrics(rollouts, packed, version - 1))
         record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
         if evaluator is not None and (step % L.eval_every == 0 or step == L.total_steps):
@@ -257,6 +305,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         writer.write(step, record)
         if step % L.checkpoint_every == 0 or step == L.total_steps:
             checkpoint()
+        elif covered and not ckpt.saving():  # that save is durable: let the queue forget
+            ckpt.wait()
+            ack(covered)
+            covered = []
         if consecutive_skips >= L.max_consecutive_skips:
             checkpoint()
             ckpt.wait()
@@ -269,8 +321,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
     if unacked:
         checkpoint()
     ckpt.wait()
-    if covered:
-        client.ack(covered)
+    ack(covered)
     ckpt.close()
     writer.close()
     if evaluator is not None:

@@ -114,7 +114,9 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(x, cfg.rms_norm_eps, pd)
             self.k_norm = RMSNorm(x, cfg.rms_norm_eps, pd)
 
-    def __call__(self, x_btd, positions_bt, inv_freq, cache_kv=None, segment_ids=None):
+    def project(self, x_btd, positions_bt, inv_freq):
+        """Queries `[B, T, H, X]` and keys/values `[B, T, K, X]`, biases, q/k norms and RoPE
+        applied (shared with the engine's specialised decode step)."""
         cfg, dt = self.cfg, self.cfg.dtype
         x_btd = x_btd.astype(dt)
         q = jnp.einsum("btd,dhx->bthx", x_btd, self.q_proj[...].astype(dt))
@@ -126,8 +128,19 @@ class Attention(nnx.Module):
             v = v + self.v_bias[...].astype(dt)
         if cfg.qk_norm:
             q, k = self.q_norm(q).astype(dt), self.k_norm(k).astype(dt)
-        q = apply_rope(q, positions_bt, inv_freq)
-        k = apply_rope(k, positions_bt, inv_freq)
+        return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+
+    def output(self, out_bthx):
+        """The output projection of attention values `[..., H, X]` -> `[..., D]`."""
+        dt = self.cfg.dtype
+        y = jnp.einsum("...hx,hxd->...d", out_bthx, self.o_proj[...].astype(dt))
+        if self.cfg.o_bias:
+            y = y + self.o_bias[...].astype(dt)
+        return y
+
+    def __call__(self, x_btd, positions_bt, inv_freq, cache_kv=None, segment_ids=None):
+        cfg, dt = self.cfg, self.cfg.dtype
+        q, k, v = self.project(x_btd, positions_bt, inv_freq)
 
         b, t = positions_bt.shape
         if cache_kv is None:
@@ -155,11 +168,7 @@ class Attention(nnx.Module):
         scores = jnp.where(causal[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bskx->btkgx", probs, values)
-        out = out.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        y = jnp.einsum("bthx,hxd->btd", out, self.o_proj[...].astype(dt))
-        if cfg.o_bias:
-            y = y + self.o_bias[...].astype(dt)
-        return y, new_cache
+        return self.output(out.reshape(b, t, cfg.num_heads, cfg.head_dim)), new_cache
 
 
 class MLP(nnx.Module):

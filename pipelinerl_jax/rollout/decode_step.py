@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from pipelinerl_jax.models import Decoder, KVCache
-from pipelinerl_jax.models.model import apply_rope, rope_frequencies
+from pipelinerl_jax.models.model import rope_frequencies
 
 
 def _attention(attn, x_bd, pos_b, inv_freq, ck, cv, cache_len: int):
@@ -36,19 +35,7 @@ def _attention(attn, x_bd, pos_b, inv_freq, ck, cv, cache_len: int):
     cfg, dt = attn.cfg, attn.cfg.dtype
     b = x_bd.shape[0]
     k_heads, g = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    x_b1d = x_bd.astype(dt)[:, None]
-    q = jnp.einsum("btd,dhx->bthx", x_b1d, attn.q_proj[...].astype(dt))
-    k = jnp.einsum("btd,dkx->btkx", x_b1d, attn.k_proj[...].astype(dt))
-    v = jnp.einsum("btd,dkx->btkx", x_b1d, attn.v_proj[...].astype(dt))
-    if cfg.qkv_bias:
-        q = q + attn.q_bias[...].astype(dt)
-        k = k + attn.k_bias[...].astype(dt)
-        v = v + attn.v_bias[...].astype(dt)
-    if cfg.qk_norm:
-        q, k = attn.q_norm(q).astype(dt), attn.k_norm(k).astype(dt)
-    pos_b1 = pos_b[:, None]
-    q = apply_rope(q, pos_b1, inv_freq)
-    k = apply_rope(k, pos_b1, inv_freq)
+    q, k, v = attn.project(x_bd[:, None], pos_b[:, None], inv_freq)
 
     rows = jnp.arange(b)
     ck = ck.at[rows, :, :, pos_b].set(k[:, 0].astype(ck.dtype), mode="drop")  # [B, K, X, S]
@@ -66,11 +53,7 @@ def _attention(attn, x_bd, pos_b, inv_freq, ck, cv, cache_len: int):
     weights_bkgs = jnp.exp(scores_bkgs)
     probs_bkgs = (weights_bkgs / jnp.sum(weights_bkgs, axis=-1, keepdims=True)).astype(dt)
     out_bkgx = jnp.einsum("bkgs,bksx->bkgx", probs_bkgs, values_bksx)
-    out_bhx = out_bkgx.reshape(b, cfg.num_heads, cfg.head_dim)
-    y = jnp.einsum("bhx,hxd->bd", out_bhx, attn.o_proj[...].astype(dt))
-    if cfg.o_bias:
-        y = y + attn.o_bias[...].astype(dt)
-    return y, ck, cv
+    return attn.output(out_bkgx.reshape(b, cfg.num_heads, cfg.head_dim)), ck, cv
 
 
 def init_engine_cache(cfg, batch: int, max_len: int, dtype=None) -> KVCache:

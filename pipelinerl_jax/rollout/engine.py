@@ -27,7 +27,15 @@ from pipelinerl_jax.types import Completion, GenerationRequest
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve; the message names the request and the field."""
+    """A request the engine cannot serve; the message names the request and the field.
+
+    `request_id` is set when the failure belongs to one submitted request (its samples will
+    not come back), so a caller can forget that request and carry on.
+    """
+
+    def __init__(self, message: str, request_id: Optional[str] = None):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class EngineClosedError(RuntimeError):

@@ -66,7 +66,7 @@ def engine_config() -> ml_collections.ConfigDict:
     c.prefill_buckets = ()  # prompt-length buckets; () = 16, 32, ... up to max_seq_len
     c.cache_buckets = ()  # attention-length buckets of decode; () = 64, 128, ... max_seq_len
     c.max_prefill_batch = 4  # prompts per prefill call (batch buckets: powers of two up to it)
-    c.steps_per_sync = 8  # decode steps per device call / host sync
+    c.steps_per_sync = 16  # decode steps per device call / host sync
     # While samples wait, a decode chunk ends once this many slots are free (then they are
     # refilled with one batched prefill); 0 = auto: min(queued, max(1, max_slots // 8)).
     c.refill_threshold = 0
@@ -575,7 +575,8 @@ class JaxEngine(InferenceEngine):
         """Returns a sample (finished or aborted) and frees its slot and KV reservation."""
         if s.start_version < 0:  # aborted before admission
             s.start_version = s.kv_version = self._version
-        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt))
+        def cat(xs, dt):
+            return np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
         completion = Completion(
             request_id=s.request.request_id, sample_index=s.index, prompt_ids=s.prompt,
             token_ids=cat(s.tokens, np.int32), logp_behaviour=cat(s.logps, np.float32),

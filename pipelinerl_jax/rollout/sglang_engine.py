@@ -341,7 +341,7 @@ class SGLangEngine(InferenceEngine):
             if self._failures:
                 rid, msg = next(iter(self._failures.items()))
                 del self._failures[rid]
-                raise RequestError(msg)
+                raise RequestError(msg, request_id=rid)
             n = len(self._outbox) if max_items is None else min(max_items, len(self._outbox))
             return [self._outbox.popleft() for _ in range(n)]
 
@@ -451,8 +451,10 @@ class SGLangEngine(InferenceEngine):
         try:
             answer = s.client.post("/generate", generate_body(job),
                                    timeout=self.config.request_timeout_s, stop=self._stop)
-            segments = [parse_output(item, job, self.config.pause_mode)
-                        for item in answer_items(answer, job)]
+            segments = [parse_output(item, job, self.config.pause_mode,
+                                     vocab_size=self.vocab_size,
+                                     max_tokens=smp.max_new - smp.n_generated)
+                        for item, smp in zip(answer_items(answer, job), job.samples)]
         except ServerUnavailable as e:
             self._release(job)
             if self._stop.is_set():  # closing: close() returns the samples as 'abort'

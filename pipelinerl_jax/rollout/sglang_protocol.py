@@ -17,6 +17,7 @@ number>', whose children the server names itself).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, List, Optional
 
@@ -27,6 +28,7 @@ from pipelinerl_jax.types import GenerationRequest
 
 _INT = re.compile(r"^-?\d+$")
 _MISSING = np.iinfo(np.int32).min
+_INT32_MAX = np.iinfo(np.int32).max
 
 
 class ProtocolError(Exception):
@@ -125,48 +127,105 @@ def answer_items(answer: Any, job: Job) -> list:
     return items
 
 
-def parse_output(item: dict, job: Job, pause_mode: str) -> dict:
+def _int(value: Any, field: str) -> int:
+    """A JSON integer (not a bool, not a float) or ProtocolError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{field}: must be an integer, got {value!r:.60}")
+    return value
+
+
+def _label_version(label: Any, field: str) -> int:
+    """`version_of`, refusing integer labels below -1 (ours are versions >= 0; -1 is also
+    what a non-integer label such as SGLang's 'default' means: unknown)."""
+    v = version_of(label)
+    if not -1 <= v <= _INT32_MAX:
+        raise ProtocolError(f"{field}: weight version {label!r:.60} is out of range")
+    return v
+
+
+def parse_output(item: Any, job: Job, pause_mode: str, *, vocab_size: Optional[int] = None,
+                 max_tokens: Optional[int] = None) -> dict:
     """One output object -> {tokens, logps, versions, kv_versions, reason, exact}.
 
     versions: `meta_info.weight_versions` spans when present, else (older servers) the label
     at answer time if the server was not refit meanwhile, else the version it had when the
     job was sent, for every token (`exact=False`). kv_versions: by pause mode, see the
     engine's docstring ('in_place': the segment's first version; else equal to versions).
+
+    Anything not of SGLang's shape raises `ProtocolError` naming the field: token ids must
+    be integers in [0, vocab_size), log-probs finite and <= 0, at most `max_tokens` tokens
+    (the sample's remaining budget), spans integers within the output.
     """
-    meta = item["meta_info"]
+    if not isinstance(item, dict):
+        raise ProtocolError(f"output: must be a JSON object, got {type(item).__name__}")
+    meta = item.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ProtocolError("meta_info: missing or not an object")
     pairs = meta.get("output_token_logprobs")
     if pairs is None:
         raise ProtocolError("meta_info.output_token_logprobs missing (return_logprob)")
+    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) >= 2
+                                              for p in pairs):
+        raise ProtocolError("meta_info.output_token_logprobs: must be a list of "
+                            "[logprob, token_id, ...] entries")
     ids = item.get("output_ids")
-    tokens = [int(p[1]) for p in pairs] if ids is None else [int(t) for t in ids]
-    if len(pairs) != len(tokens) or any(int(p[1]) != t for p, t in zip(pairs, tokens)):
+    if ids is not None and not isinstance(ids, list):
+        raise ProtocolError(f"output_ids: must be a list, got {type(ids).__name__}")
+    field = "meta_info.output_token_logprobs"
+    pair_ids = [_int(p[1], f"{field}[{i}] token id") for i, p in enumerate(pairs)]
+    tokens = pair_ids if ids is None else [_int(t, f"output_ids[{i}]")
+                                           for i, t in enumerate(ids)]
+    if len(pairs) != len(tokens) or pair_ids != tokens:
         raise ProtocolError("output_token_logprobs do not match output_ids")
-    if any(p[0] is None for p in pairs):
-        raise ProtocolError("a generated token has no log-prob")
+    if max_tokens is not None and len(tokens) > max_tokens:
+        raise ProtocolError(f"output_ids: {len(tokens)} tokens, more than the {max_tokens} "
+                            "asked for")
+    for i, t in enumerate(tokens):
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ProtocolError(f"output_ids[{i}]: token id {t} outside the vocabulary "
+                                f"[0, {vocab_size if vocab_size is not None else 'V'})")
+    logps = []
+    for i, p in enumerate(pairs):
+        x = p[0]
+        if x is None:
+            raise ProtocolError("a generated token has no log-prob")
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) \
+                or x > 0:
+            raise ProtocolError(f"{field}[{i}]: log-prob must be a finite number <= 0, "
+                                f"got {x!r:.60}")
+        logps.append(float(x))
     fr = meta.get("finish_reason")
     kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind not in ("stop", "length", "abort"):
-        raise ProtocolError(f"unknown finish_reason {fr!r}")
+    if not isinstance(kind, str) or kind not in ("stop", "length", "abort"):
+        raise ProtocolError(f"unknown finish_reason {fr!r:.100}")
     if kind == "abort" and isinstance(fr, dict) and fr.get("status_code") == 400:
         raise HTTPError(job.server.url, "/generate", 400, str(fr.get("message")))
     c = len(tokens)
     versions, exact = token_versions(meta, c, job.sent_version)
     kv = np.full((c,), versions[0], np.int32) if pause_mode == "in_place" and c \
         else versions.copy()
-    return dict(tokens=np.asarray(tokens, np.int32),
-                logps=np.asarray([float(p[0]) for p in pairs], np.float32),
+    return dict(tokens=np.asarray(tokens, np.int32), logps=np.asarray(logps, np.float32),
                 versions=versions, kv_versions=kv, reason=kind, exact=exact)
 
 
 def token_versions(meta: dict, c: int, sent_version: Optional[int]):
     """(int32 [c] versions, exact) of one output's tokens (see `parse_output`)."""
     spans = meta.get("weight_versions")
-    if isinstance(spans, list) and spans:
+    if spans is not None and not isinstance(spans, list):
+        raise ProtocolError("meta_info.weight_versions: must be a list of spans")
+    if spans:
         out = np.full((c,), _MISSING, np.int32)
-        for sp in spans:
-            out[int(sp["start"]):int(sp["end"])] = version_of(sp["version"])
+        for i, sp in enumerate(spans):
+            field = f"meta_info.weight_versions[{i}]"
+            if not isinstance(sp, dict):
+                raise ProtocolError(f"{field}: must be an object {{version, start, end}}")
+            start, end = _int(sp.get("start"), f"{field}.start"), _int(sp.get("end"),
+                                                                     f"{field}.end")
+            if not 0 <= start <= end <= c:
+                raise ProtocolError(f"{field}: span [{start}, {end}) outside the {c} tokens")
+            out[start:end] = _label_version(sp.get("version"), f"{field}.version")
         if not (out == _MISSING).any():
             return out, True
-    at_end = version_of(meta.get("weight_version"))
+    at_end = _label_version(meta.get("weight_version"), "meta_info.weight_version")
     sent = at_end if sent_version is None else sent_version
     return np.full((c,), min(sent, at_end), np.int32), sent == at_end or c == 0

@@ -3,7 +3,7 @@
     python -m pipelinerl_jax.rollout.sglang_test_server --model-path DIR --port 0 \
         [--weight-version 0] [--kv-policy recompute|keep] [--engine '{"max_slots": 4}'] \
         [--stub] [--startup-delay-s S] [--startup-503-s S] [--fail-every K] [--abort-every K]
-        [--delay-s S]
+        [--corrupt-every K] [--delay-s S]
 
 SGLang needs GPUs, so the SGLang engine is tested against this server. It speaks SGLang's
 native HTTP API as read in sglang's `srt/entrypoints/http_server.py` and
@@ -48,6 +48,8 @@ sampling_params), POST /_test/reset, GET|POST /_test/config (switches below), GE
 /_test/stats (call counts, CPU seconds, requests live), POST /_test/step {steps} (runs that
 many engine steps by hand). Switches: startup_503_s (health and generate answer 503 for the
 first S seconds), fail_every + fail_status (every k-th /generate answers that status),
+corrupt_every (every k-th /generate answers 200 with a malformed body: cut-off JSON, a NaN
+log-prob, an out-of-vocabulary id, no meta_info, in turn),
 abort_every / abort_next + abort_after_tokens (every k-th, or the next N, /generate calls
 return their samples aborted after that many tokens, as a server-side abort does), delay_s
 (sleep before answering /generate), version_spans, auto_step (false: the engine only runs
@@ -83,7 +85,8 @@ _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "s
                   "n", "sampling_seed", "ignore_eos", "skip_special_tokens", "no_stop_trim",
                   "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
                   "repetition_penalty", "min_new_tokens", "stop", "stream_interval"}
-DEFAULT_SWITCHES = dict(startup_503_s=0.0, fail_every=0, fail_status=503, abort_every=0,
+DEFAULT_SWITCHES = dict(startup_503_s=0.0, fail_every=0, fail_status=503, corrupt_every=0,
+                        abort_every=0,
                         abort_next=0, abort_after_tokens=2, delay_s=0.0, version_spans=True,
                         auto_step=True)
 
@@ -101,6 +104,7 @@ class ServerState:
         self.step_gate = threading.Lock()
         self.switches = dict(DEFAULT_SWITCHES, startup_503_s=args.startup_503_s,
                              fail_every=args.fail_every, fail_status=args.fail_status,
+                             corrupt_every=args.corrupt_every,
                              abort_every=args.abort_every,
                              abort_after_tokens=args.abort_after_tokens, delay_s=args.delay_s,
                              version_spans=not args.no_version_spans)
@@ -227,6 +231,10 @@ class ServerState:
                 abort_k = sw["abort_after_tokens"]
         out = [self._answer(item, res, abort_k, time.time() - t0, sw["version_spans"])
                for item, res in zip(items, results)]
+        if sw["corrupt_every"] and call % sw["corrupt_every"] == 0:
+            with self.lock:
+                self.counts["corrupted"] += 1
+            return _corrupt(out, call // sw["corrupt_every"])
         return out[0] if single and n == 1 else out
 
     def _check(self, prompt, s: dict) -> None:
@@ -446,6 +454,33 @@ class _Status:
         self.status, self.body = status, body
 
 
+class _Raw:
+    """A 200 answer whose body is these bytes, as they are (not JSON-encoded)."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+
+CORRUPTIONS = ("not_json", "nan_logprob", "out_of_vocab", "no_meta_info")
+
+
+def _corrupt(outputs: List[dict], k: int) -> Any:
+    """A misbehaving server's answer (switch corrupt_every), cycling through CORRUPTIONS."""
+    kind = CORRUPTIONS[k % len(CORRUPTIONS)]
+    if kind == "not_json":
+        return _Raw(json.dumps(outputs).encode()[:40])  # cut off mid-answer
+    first = outputs[0]
+    pairs = first["meta_info"].get("output_token_logprobs") or [[0.0, 0, None]]
+    if kind == "nan_logprob":
+        pairs[0][0] = float("nan")  # json.dumps writes NaN, which json.loads accepts
+    elif kind == "out_of_vocab":
+        first["output_ids"] = [1 << 20] + first["output_ids"][1:]
+        pairs[0][1] = 1 << 20
+    else:
+        del first["meta_info"]
+    return outputs
+
+
 def _np_prompt(prompt):
     import numpy as np
     return np.asarray(prompt, np.int32)
@@ -510,7 +545,13 @@ def make_handler(state: ServerState):
                 result = _Status(400, {"error": {"message": str(e)}})
             except Exception as e:  # noqa: BLE001 - a server bug is a 500, never a hang
                 result = _Status(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
-            if isinstance(result, _Status):
+            if isinstance(result, _Raw):
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(result.body)))
+                self.end_headers()
+                self.wfile.write(result.body)
+            elif isinstance(result, _Status):
                 self._send(result.status, result.body)
             else:
                 self._send(200, result)
@@ -665,6 +706,8 @@ def parse_args(argv=None):
     p.add_argument("--fail-status", type=int, default=503)
     p.add_argument("--abort-every", type=int, default=0)
     p.add_argument("--abort-after-tokens", type=int, default=2)
+    p.add_argument("--corrupt-every", type=int, default=0,
+                   help="every k-th /generate answers a malformed body (CORRUPTIONS)")
     p.add_argument("--delay-s", type=float, default=0.0)
     args = p.parse_args(argv)
     if not args.stub and not args.model_path:

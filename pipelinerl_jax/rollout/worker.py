@@ -18,6 +18,18 @@ started for which batch", so a restarted worker or queue needs no history. The q
 staleness policy remains the hard guarantee when timing is adversarial (a straggler that
 completes after later groups).
 
+Faults. A learner restarted from an older checkpoint publishes an older version from a new
+publisher: the engine installs it (`allow_older`) and no group starts while the engine is
+ahead of the learner's version (its tokens would be refused as "from the future").
+A restarted queue comes back empty, with a new `server_id` in its stats: the groups
+this worker had put and the learner had not yet taken are gone, so their batch places are
+released (and counted in `counts['groups_lost_in_queue']`) and regenerated. A request the
+engine gives up on (`RequestError` with its `request_id`, e.g. a malformed SGLang answer)
+drops its group and frees its place (`counts['groups_failed']`); a group the queue rejects
+likewise (`counts['groups_rejected']`). Group ids carry a per-process nonce (async mode), so a
+restarted worker never reuses the id of a group its predecessor put (the queue would refuse
+it as a duplicate). Each of these is also a line of `workdir/events.jsonl`.
+
 Lag injection (ablations at exact staleness): in lock-step, batch L is sampled with the
 weights of version `L - k_L` (k_L fixed or drawn from a seeded distribution). The learner
 keeps the recent versions (in memory and in its checkpoints) and ships, as weight-stream
@@ -31,14 +43,21 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Dict, List, Optional
 
 import numpy as np
 
 from pipelinerl_jax.metrics import append_jsonl
+from pipelinerl_jax.rollout.engine import RequestError
 from pipelinerl_jax.types import Completion, GenerationRequest, Rollout, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Engine stats totals copied into `engine_stats.jsonl` when the engine reports them.
+ENGINE_FAULT_KEYS = ("retries", "rerouted_requests", "request_errors",
+                     "server_aborted_segments", "resubmitted_samples",
+                     "dropped_aborted_samples", "failed_samples", "servers_up", "refit_failures")
 
 
 def injected_lag(cfg_inj, step: int) -> int:
@@ -76,6 +95,8 @@ class RolloutWorker:
         self._inflight: Dict[str, tuple] = {}  # request id -> (problem, submit time)
         self._samples: Dict[str, List[Completion]] = collections.defaultdict(list)
         self._seq = 0
+        self._nonce = uuid.uuid4().hex[:6]  # this process's group ids differ from its predecessor's
+        self._server_id: Optional[str] = None  # the queue instance our groups went to
         self._stop = threading.Event()
         self._stats = None
         self._stats_time = 0.0
@@ -94,9 +115,31 @@ class RolloutWorker:
 
     def _queue_stats(self, max_age_s: float = 0.1):
         if self._stats is None or time.time() - self._stats_time > max_age_s:
-            self._stats = self.client.stats()
+            stats = self.client.stats()
+            if self._server_id is not None and stats["server_id"] != self._server_id:
+                self._on_queue_restart(stats["server_id"])
+            self._server_id = stats["server_id"]
+            self._stats = stats
             self._stats_time = time.time()
         return self._stats
+
+    def _on_queue_restart(self, server_id: str) -> None:
+        """A new queue instance: what we put on the old one and was not consumed is lost.
+        Keep only the places of groups still being generated; the rest are sampled again."""
+        inflight = collections.Counter(slot for _, slot in self._inflight.values())
+        lost = sum(max(0, n - inflight[k]) for k, n in self._slots.items())
+        self._slots = dict(inflight)
+        self.counts["queue_restarts"] += 1
+        self.counts["groups_lost_in_queue"] += lost
+        log.warning("queue restarted (server %s -> %s): %d groups put there were lost and "
+                    "will be regenerated", self._server_id, server_id, lost)
+        self._event("queue_restart", server_id=server_id, lost_groups=lost)
+
+    def _event(self, event: str, **fields) -> None:
+        if self.workdir:
+            append_jsonl(os.path.join(self.workdir, "events.jsonl"), [{
+                "time_s": time.time(), "event": event, "child": f"worker{self.index}",
+                **fields}])
 
     @property
     def share(self) -> int:
@@ -113,6 +156,10 @@ class RolloutWorker:
             return False  # no learner has announced itself to the queue yet
         if self.cfg.lag_injection.enabled:
             return self._can_admit_injected(learner)
+        if self.engine.version > learner:  # announced before it was shipped: look again
+            learner = int(self._queue_stats(max_age_s=0.0)["learner_version"])
+            if self.engine.version > learner:
+                return False  # the learner restarted from an older checkpoint: its weights come
         for k in [k for k in self._slots if k < learner]:
             del self._slots[k]  # batches the learner has consumed
         k = learner
@@ -172,6 +219,14 @@ class RolloutWorker:
             return
         if version > self.engine.version:
             self.engine.update_weights(params, version, wait=False)
+        elif version < self.engine.version:
+            # Only a new publisher (a learner restarted from an older checkpoint) sends an
+            # older version: sample with it, or every token would be "from the future".
+            log.warning("learner rolled back to version %d (engine at %d): installing it",
+                        version, self.engine.version)
+            self._event("weights_rollback", version=int(version),
+                        engine_version=int(self.engine.version))
+            self.engine.update_weights(params, version, wait=False, allow_older=True)
 
     # ------------------------------------------------------------------ main loop
 
@@ -182,7 +237,7 @@ class RolloutWorker:
             material = [self.cfg.seed, self.index, self._next_slot, self._step_seq]
             self._step_seq += 1
         else:
-            key, material = str(self._seq), [self.cfg.seed, self.index, self._seq]
+            key, material = f"{self._nonce}-{self._seq}", [self.cfg.seed, self.index, self._seq]
             self._seq += 1
         rid = f"w{self.index}-{key}"
         seed = int(np.random.SeedSequence(material).generate_state(1)[0] % (2**31))
@@ -232,7 +287,20 @@ class RolloutWorker:
                 raise
             log.warning("group %s rejected by the queue: %s", rid, e)
             self.counts["groups_rejected"] += 1
+            self._event("group_rejected", group_id=rid, reason=str(e)[:500])
             self._release(slot)
+
+    def _drop_failed_request(self, error) -> None:
+        """The engine gave up on a request (its samples will not come): forget the group."""
+        rid = getattr(error, "request_id", None)
+        if rid not in self._inflight:
+            raise error  # not one of ours: a bug, not a fault to ride out
+        _, slot = self._inflight.pop(rid)
+        self._samples.pop(rid, None)
+        self._release(slot)
+        self.counts["groups_failed"] += 1
+        log.warning("group %s dropped: %s", rid, error)
+        self._event("group_failed", group_id=rid, reason=str(error)[:500])
 
     def _release(self, slot: int) -> None:
         if self._slots.get(slot, 0) > 0:
@@ -267,7 +335,10 @@ class RolloutWorker:
                                        / max(s["window_decode_steps"], 1)),
                 "num_slots": s["num_slots"], "tokens_per_s": s["tokens_per_s"],
                 "busy_fraction": s["busy_fraction"], "queued_samples": s["queued_samples"],
-                "decode_steps": s["window_decode_steps"]}])
+                "decode_steps": s["window_decode_steps"],
+                # fault counters: the worker's, and the engine's where it has them (SGLang)
+                "worker": dict(self.counts),
+                **{k: s[k] for k in ENGINE_FAULT_KEYS if k in s}}])
 
     def run(self, max_groups: Optional[int] = None, max_seconds: Optional[float] = None) -> None:
         """Runs until `stop()`, `max_groups` groups were scored, or `max_seconds` passed."""
@@ -282,7 +353,12 @@ class RolloutWorker:
                 break
             while len(self._inflight) < max_requests and self.can_admit():
                 self.submit_one()
-            for c in self.engine.get_completions(timeout=0.02):
+            try:
+                completions = self.engine.get_completions(timeout=0.02)
+            except RequestError as e:
+                self._drop_failed_request(e)
+                continue
+            for c in completions:
                 group = self._samples[c.request_id]
                 group.append(c)
                 if len(group) == self.group_size:

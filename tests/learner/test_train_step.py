@@ -33,7 +33,7 @@ def _rollouts(n, seed=0, max_prompt=9, max_completion=20):
 
 
 def test_row_bucket_and_first_fit():
-    assert [batching.row_bucket(r, 1) for r in (1, 8, 9, 11, 17)] == [1, 8, 10, 12, 20]
+    assert [batching.row_bucket(r, 1) for r in (1, 5, 8, 9, 13, 17)] == [1, 6, 8, 12, 16, 24]
     assert batching.row_bucket(5, 4) == 8
     bins = batching.first_fit_decreasing([5, 5, 4, 3, 3], 10)
     assert sorted(sum(([5, 5, 4, 3, 3][i] for i in b), 0) for b in bins) == [10, 10]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pipelinerl_jax.models import Decoder, init_cache, tiny_config, token_logprobs
+from pipelinerl_jax.models import Decoder, init_cache, tiny_config
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.types import GenerationRequest, SamplingParams
 
