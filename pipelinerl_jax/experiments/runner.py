@@ -141,8 +141,9 @@ def _env(c, workdir: str) -> dict:
         # XLA's persistent compilation cache: every run of a grid compiles the same train
         # step, decode step and evaluator; with the cache only the first run pays for it.
         path = os.path.join(workdir, "xla_cache") if cache == "auto" else cache
-        env["JAX_COMPILATION_CACHE_DIR"] = os.path.abspath(path)
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+        env["PIPELINERL_JAX_CACHE"] = os.path.abspath(path)  # read by compile_cache.enable()
+    else:
+        env["PIPELINERL_JAX_CACHE"] = "off"
     return env
 
 
@@ -228,7 +229,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
     if todo:
         ckpt = warm_start(c, workdir, log)
         env = _env(c, workdir)
-        if c.runner.warmup_steps and env.get("JAX_COMPILATION_CACHE_DIR"):
+        if c.runner.warmup_steps and env.get("PIPELINERL_JAX_CACHE"):
             _warmup(c, workdir, todo[0], ckpt, env, log)
         slots = split_cores(available_cores(c.runner.cores), c.runner.parallel) \
             if c.runner.parallel > 1 and c.runner.pin else [None] * c.runner.parallel
