@@ -71,12 +71,9 @@ def run_status(run_dir: str) -> str:
 
 
 def committed_checkpoints(run_dir: str) -> List[int]:
-    """Steps with a complete orbax checkpoint (orbax renames a step's temporary directory to
-    the bare step number only once it is fully written)."""
-    d = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(d):
-        return []
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit())
+    """Steps with a committed learner checkpoint (`learner.checkpoint.committed_steps`)."""
+    from pipelinerl_jax.learner.checkpoint import committed_steps
+    return committed_steps(os.path.join(run_dir, "checkpoints"))
 
 
 def split_cores(cores: List[int], n: int) -> List[str]:

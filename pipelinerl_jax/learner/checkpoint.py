@@ -10,11 +10,20 @@ directly into the sharding of the abstract target.
 A save that fails (disk full, unwritable directory) raises `CheckpointSaveError` naming the
 step, the directory, the underlying error and the last complete checkpoint; earlier
 checkpoints are untouched because orbax writes to a temporary directory
-(`<step>.orbax-checkpoint-tmp*`) and renames it only when complete, and `latest_step()` never
-returns a half-written one. An asynchronous save's error surfaces at the next `save`/`wait`.
+(`<step>.orbax-checkpoint-tmp*`). An asynchronous save's error surfaces at the next
+`save`/`wait`.
+
+Orbax's own view of "complete" is not enough: an asynchronous save can rename its temporary
+directory to `<step>` and only then fail writing its metadata (seen with ENOSPC), leaving a
+directory that `CheckpointManager.latest_step()` reports. So a step counts as committed only
+once `wait()` has seen its save succeed and recorded it in `committed_steps.json` (written
+atomically); `latest_step()` and `restore()` use only recorded steps, and a step directory
+that is not recorded is deleted when the checkpointer opens the directory or its save fails.
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 from typing import Any, Optional, Tuple
 
@@ -22,8 +31,23 @@ import jax
 import orbax.checkpoint as ocp
 
 
+RECORD = "committed_steps.json"
+
+
 class CheckpointSaveError(RuntimeError):
     pass
+
+
+def committed_steps(directory: str) -> list:
+    """The committed steps of a checkpoint directory, read without opening it (a directory
+    written before the commit record existed: its bare step directories)."""
+    try:
+        with open(os.path.join(directory, RECORD)) as f:
+            return sorted(int(s) for s in json.load(f)["steps"])
+    except FileNotFoundError:
+        if not os.path.isdir(directory):
+            return []
+        return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
 class Checkpointer:
@@ -35,11 +59,55 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                  enable_async_checkpointing=async_save,
                                                  create=True))
+        self._async = async_save
         self._pending: Optional[int] = None  # step of the save in flight, if any
         self._reported = False  # a save failure was raised to the caller already
+        self._record = os.path.join(self.directory, RECORD)
+        self._committed = self._load_record()
+        self._drop_uncommitted()
+
+    # ------------------------------------------------------------------ the commit record
+
+    def _load_record(self) -> set:
+        try:
+            with open(self._record) as f:
+                return {int(s) for s in json.load(f)["steps"]}
+        except FileNotFoundError:
+            # A directory written before the record existed: its orbax steps are complete.
+            steps = set(self._mngr.all_steps(read=True))
+            self._write_record(steps)
+            return steps
+        except (ValueError, KeyError, TypeError) as e:
+            raise RuntimeError(f"{self._record} is unreadable ({e}); it lists the committed "
+                               f"checkpoint steps of {self.directory}") from e
+
+    def _write_record(self, steps) -> None:
+        tmp = self._record + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"steps": sorted(steps)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._record)
+
+    def _drop_uncommitted(self) -> None:
+        self._mngr.reload()
+        for step in self._mngr.all_steps(read=True):
+            if step not in self._committed:
+                logging.warning("deleting checkpoint step %d in %s: its save never completed",
+                                step, self.directory)
+                try:
+                    self._mngr.delete(step)
+                except Exception as e:  # noqa: BLE001 - it is ignored either way
+                    logging.warning("could not delete step %d: %s", step, e)
+        self._mngr.reload()
+
+    def _commit(self, step: int) -> None:
+        present = set(self._mngr.all_steps(read=True))
+        self._committed = {s for s in self._committed | {step} if s in present}
+        self._write_record(self._committed)
 
     def latest_step(self) -> Optional[int]:
-        return self._mngr.latest_step()
+        return max(self._committed, default=None)
 
     def save(self, step: int, state: Any, meta: dict, history: Optional[dict] = None) -> None:
         """`history` ({version: params}) is saved too when given (lag injection replays old
@@ -54,6 +122,8 @@ class Checkpointer:
             self._mngr.save(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - report what failed and where
             raise self._error(e) from e
+        if not self._async:
+            self.wait()  # records the commit
 
     def saving(self) -> bool:
         """Whether an asynchronous save is still being written (errors surface in `wait`)."""
@@ -65,15 +135,18 @@ class Checkpointer:
             self._mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
             raise self._error(e) from e
+        if self._pending is not None:
+            self._commit(self._pending)
         self._pending = None
 
     def _error(self, e: Exception) -> CheckpointSaveError:
         step, self._pending = self._pending, None
         self._reported = True
         try:
-            last = self._mngr.latest_step()
-        except Exception:  # noqa: BLE001 - the message matters more than this detail
-            last = None
+            self._drop_uncommitted()  # a failed save may have left a `<step>` directory
+        except Exception:  # noqa: BLE001 - the message matters more than the clean-up
+            pass
+        last = self.latest_step()
         kept = (f"the last complete checkpoint, step {last}, is intact" if last is not None
                 else "there is no complete checkpoint yet")
         what = f"of step {step} " if step is not None else ""

@@ -85,3 +85,28 @@ def test_no_checkpoint_yet_is_said_so(tmp_path, disk_full):
         ckpt.save(1, _state(1), {"version": 1})
     assert ckpt.latest_step() is None
     ckpt.close()
+
+
+def test_a_step_directory_without_a_commit_record_is_never_restored(tmp_path):
+    """Orbax can rename `<step>.orbax-checkpoint-tmp` to `<step>` and fail afterwards; such a
+    directory is not in `committed_steps.json`, so a reopened checkpointer deletes it and
+    resumes from the last recorded step."""
+    import json
+    directory = str(tmp_path / "checkpoints")
+    ckpt = Checkpointer(directory, keep=3, async_save=True)
+    for step in (2, 4):
+        ckpt.save(step, _state(step), {"version": step, "trained_batch_ids": []})
+        ckpt.wait()
+    ckpt.close()
+    record = os.path.join(directory, "committed_steps.json")
+    with open(record) as f:
+        assert json.load(f)["steps"] == [2, 4]
+    with open(record, "w") as f:
+        json.dump({"steps": [2]}, f)  # step 4 renamed into place, its commit never recorded
+    again = Checkpointer(directory, keep=3)
+    assert again.latest_step() == 2
+    assert not os.path.exists(os.path.join(directory, "4"))
+    state, meta, step, _ = again.restore(_state(0))
+    assert step == 2 and meta["version"] == 2
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.arange(12.0).reshape(3, 4) * 2)
+    again.close()
