@@ -20,7 +20,7 @@ sees one sequence per row through a gather, so padding costs almost nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple
 
 import jax
 import jax.numpy as jnp
