@@ -114,12 +114,24 @@ def read_run(run_dir: str, warmup_fraction: float = 0.1) -> RunMeasurements:
     lengths = _column(samples, "response_length")
     engines = len({r.get("engine_id", "") for r in stats})
     slots = int(max(r["num_slots"] for r in stats))
-    active = _column(stats, "active_slots")
+    # Reports while an engine still runs its first weights are dominated by compiling (each
+    # decode bucket compiles on first use: 100-150 ms steps at 64 sequences against ~5 ms
+    # later, measured here); at full occupancy they have the most leverage on the line, so
+    # they are left out whenever the engine reported after a weight update too.
+    first = {}
+    for r in stats:
+        first.setdefault(r.get("engine_id", ""), r.get("version", 0))
+    later = [r for r in stats if r.get("version", 0) != first[r.get("engine_id", "")]]
+    fit_stats = [r for r in (later or stats) if r.get("active_slots", 0) > 0] or \
+        [r for r in stats if r.get("active_slots", 0) > 0]
     step_t = np.asarray([r["decode_step_time_s"] if r.get("decode_step_time_s")
                          else r["active_slots"] / r["tokens_per_s"]
-                         for r in stats if r.get("active_slots", 0) > 0], np.float64)
-    decode_fit = _fit_line(active[active > 0], step_t)
-    train_fit = _fit_line(_column(metrics, "learner/tokens"), _column(metrics, "learner/step_time_s"))
+                         for r in fit_stats], np.float64)
+    decode_fit = _fit_line(_column(fit_stats, "active_slots"), step_t)
+    trained = [r for r in metrics if r.get("learner/tokens") is not None
+               and r.get("learner/step_time_s") is not None]
+    trained = trained[1:] if len(trained) > 3 else trained  # the first step compiles
+    train_fit = _fit_line(_column(trained, "learner/tokens"), _column(trained, "learner/step_time_s"))
     sync = _column(metrics, "weight_sync/time_s")
 
     group = int(_lookup(run_cfg, ["rollout.group_size", "train.group_size"], "group_size") or 1)

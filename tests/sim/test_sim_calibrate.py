@@ -100,3 +100,23 @@ def test_cli_simulation_and_calibration_write_summary(tmp_path, truth):
                       "--config.split.samplers=9")
     assert p.returncode != 0 and "split.samplers" in p.stderr
     assert not (tmp_path / "bad" / "summary.json").exists()
+
+
+def test_compile_dominated_reports_of_the_first_weights_are_left_out(truth, tmp_path):
+    """Decode buckets compile on first use, so an engine's reports before its first weight
+    update show steps many times slower at full occupancy; they must not set the line."""
+    import shutil
+    setup, result, run_dir = truth
+    warm = str(tmp_path / "run")
+    shutil.copytree(run_dir, warm)
+    path = os.path.join(warm, "engine_stats.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    slow = [dict(r, version=-1, active_slots=setup.slots, decode_step_time_s=2.0,
+                 tokens_per_s=setup.slots / 2.0) for r in rows[:3]]
+    with open(path, "w") as f:
+        for r in slow + rows:
+            f.write(json.dumps(r) + "\n")
+    (a, b), (a0, b0) = read_run(warm).decode_fit, read_run(run_dir).decode_fit
+    for active in (4, setup.slots):
+        assert a + b * active == pytest.approx(a0 + b0 * active, rel=0.05)
+        assert a + b * active < 0.5  # the slow reports, if fitted, would pull it toward 2 s
