@@ -8,6 +8,8 @@ import pytest
 
 from pipeline_testlib import make_init_checkpoint, read_jsonl, run_train
 
+from pipelinerl_jax.learner.checkpoint import committed_steps
+
 pytestmark = pytest.mark.slow
 
 
@@ -39,7 +41,8 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
     assert received == sorted(received) and received[0] == 0
     assert max(received) >= 3
     # Artifacts: checkpoints, TensorBoard events, plot, per-sample and engine logs.
-    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "committed_steps.json"]
+    assert committed_steps(str(workdir / "checkpoints")) == [2, 4]
     assert glob.glob(str(workdir / "tb" / "events.out.tfevents.*"))
     assert (workdir / "reward.png").stat().st_size > 5000
     samples = read_jsonl(workdir / "samples.w0.jsonl")
