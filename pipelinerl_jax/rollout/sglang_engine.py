@@ -56,7 +56,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ml_collections
 import numpy as np
@@ -203,6 +203,9 @@ class SGLangEngine(InferenceEngine):
         self._newest = -1
         self._path: Optional[str] = None  # directory of the live version
         self._refit_target = None  # (seq, path, version)
+        # The newest version requested while no server was up: servers that come back are
+        # refit to it (not to the older live one), so the engine cannot stay behind forever.
+        self._deferred: Optional[Tuple[str, int]] = None
         self._refit_seq = self._refit_done = 0
         self._refit_error: Dict[int, str] = {}
 
@@ -278,13 +281,17 @@ class SGLangEngine(InferenceEngine):
                 if self._stop.is_set() or not s.client.healthy(timeout=5.0):
                     continue
                 with self._cv:
-                    path, version = self._path, self._version
+                    path, version = self._deferred or (self._path, self._version)
                 if path is not None:  # it may have restarted from its launch checkpoint
                     ok, msg = self._refit_server(s, path, version)
                     if not ok:
                         s.reason = f"answers /health but cannot be refit: {msg}"
                         continue
                 with self._cv:
+                    if self._deferred == (path, version):  # the version missed while down
+                        self._version, self._path, self._deferred = version, path, None
+                        self._counters["refits"] += 1
+                        self._counters["deferred_refits"] += 1
                     if self._version != version:  # a newer one went live meanwhile: again
                         continue
                     s.up, s.reason = True, None
@@ -647,6 +654,15 @@ class SGLangEngine(InferenceEngine):
                 if ok:
                     self._version, self._path = version, path
                     self._counters["refits"] += 1
+                    if self._deferred is not None and self._deferred[1] <= version:
+                        self._deferred = None
+                elif not servers:
+                    self._deferred = (path, version)  # installed when a server comes back
+                    self._refit_error[seq] = (f"update_weights: version {version} could not be "
+                                              f"installed on any server (none up); it will be "
+                                              f"when one comes back")
+                    self._counters["refit_failures"] += 1
+                    log.error(self._refit_error[seq])
                 elif self._refit_target is not None and not os.path.isdir(path):
                     # The learner garbage-collected it under a newer version: apply that one.
                     self._counters["refits_superseded"] += 1
@@ -779,7 +795,7 @@ class SGLangEngine(InferenceEngine):
                 # totals
                 "generated_tokens": c["tokens"], "completed_samples": c["completed_samples"],
                 "refits": c["refits"], "last_refit_s": max(refit_times) if refit_times else None,
-                "refit_failures": c["refit_failures"],
+                "refit_failures": c["refit_failures"], "deferred_refits": c["deferred_refits"],
                 "refits_superseded": c["refits_superseded"],
                 "retries": sum(s.client.retries for s in self._servers),
                 "rerouted_requests": c["rerouted_requests"],

@@ -140,3 +140,36 @@ def test_close_returns_unanswered_samples_as_aborted(procs):
     assert sorted((c.request_id, c.finish_reason) for c in out) == [
         ("queued", "abort"), ("slow", "abort"), ("slow", "abort")]
     assert eng.health()["closed"] and not eng.health()["ok"]
+
+
+def test_version_published_while_every_server_is_down_is_installed_when_one_returns(procs, tmp_path):
+    """The learner publishes only when it trains, and it trains only on new samples: a
+    version missed while no server was up must go live when a server comes back, or the
+    engine stays behind forever (found as a stalled run in the SGLang fault test)."""
+    procs.append(stub())
+    only = procs[0]
+    dirs = {}
+    for v in (1, 2):
+        dirs[v] = tmp_path / f"v{v:08d}"
+        dirs[v].mkdir()
+        (dirs[v] / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    eng = SGLangEngine([only.url], dict(FAST, max_retries=1, health_check_interval_s=0.2),
+                       vocab_size=64, max_seq_len=64, version=0)
+    with eng:
+        eng.update_weights(str(dirs[1]), 1)
+        only.kill()
+        eng.submit(request("r0", [3], max_new_tokens=2))  # finds the server gone
+        deadline = time.monotonic() + 20
+        while not eng.health()["servers_down"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(eng.health()["servers_down"]) == [only.url]
+        with pytest.raises(RuntimeError, match="none up"):
+            eng.update_weights(str(dirs[2]), 2)
+        assert eng.version == 1
+        procs.append(stub("--port", str(only.port)))
+        deadline = time.monotonic() + 20
+        while (eng.version != 2 or eng.health()["servers_down"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.version == 2 and not eng.health()["servers_down"]
+        assert procs[-1].stats()["weight_version"] == "2"
+        assert eng.stats()["deferred_refits"] == 1
