@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pipelinerl_jax.experiments.results import Run, load_runs, summarize_run  # noqa: E402
+from pipelinerl_jax.metrics import read_jsonl  # noqa: E402
 
 LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")  # losses/diagnostics.py
 DPI = 90
@@ -309,15 +310,7 @@ def kv_policy(runs: Sequence[Run], out: str) -> dict:
 
 def _engine_series(r: Run):
     """(t, occupancy) from engine_stats.jsonl, t from when the sampler first held weights."""
-    rows = []
-    path = os.path.join(r.path, "engine_stats.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+    rows = read_jsonl(os.path.join(r.path, "engine_stats.jsonl"))
     rows = [x for x in rows if isinstance(x.get("occupancy"), (int, float))
             and isinstance(x.get("time_s"), (int, float))]
     live = [x for x in rows if x.get("version", -1) >= 0]

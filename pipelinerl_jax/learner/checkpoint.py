@@ -40,14 +40,19 @@ class CheckpointSaveError(RuntimeError):
 
 def committed_steps(directory: str) -> list:
     """The committed steps of a checkpoint directory, read without opening it (a directory
-    written before the commit record existed: its bare step directories)."""
+    written before the commit record existed: its bare step directories, which orbax only
+    renames into place once written)."""
+    path = os.path.join(directory, RECORD)
     try:
-        with open(os.path.join(directory, RECORD)) as f:
+        with open(path) as f:
             return sorted(int(s) for s in json.load(f)["steps"])
     except FileNotFoundError:
         if not os.path.isdir(directory):
             return []
         return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+    except (ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"{path} is unreadable ({e}); it lists the committed checkpoint "
+                           f"steps of {directory}") from e
 
 
 class Checkpointer:
@@ -69,17 +74,10 @@ class Checkpointer:
     # ------------------------------------------------------------------ the commit record
 
     def _load_record(self) -> set:
-        try:
-            with open(self._record) as f:
-                return {int(s) for s in json.load(f)["steps"]}
-        except FileNotFoundError:
-            # A directory written before the record existed: its orbax steps are complete.
-            steps = set(self._mngr.all_steps(read=True))
-            self._write_record(steps)
-            return steps
-        except (ValueError, KeyError, TypeError) as e:
-            raise RuntimeError(f"{self._record} is unreadable ({e}); it lists the committed "
-                               f"checkpoint steps of {self.directory}") from e
+        steps = set(committed_steps(self.directory))
+        if not os.path.exists(self._record):
+            self._write_record(steps)  # a directory written before the record existed
+        return steps
 
     def _write_record(self, steps) -> None:
         tmp = self._record + ".tmp"

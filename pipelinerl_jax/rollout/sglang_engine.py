@@ -656,17 +656,12 @@ class SGLangEngine(InferenceEngine):
                     self._counters["refits"] += 1
                     if self._deferred is not None and self._deferred[1] <= version:
                         self._deferred = None
-                elif not servers:
-                    self._deferred = (path, version)  # installed when a server comes back
-                    self._refit_error[seq] = (f"update_weights: version {version} could not be "
-                                              f"installed on any server (none up); it will be "
-                                              f"when one comes back")
-                    self._counters["refit_failures"] += 1
-                    log.error(self._refit_error[seq])
                 elif self._refit_target is not None and not os.path.isdir(path):
                     # The learner garbage-collected it under a newer version: apply that one.
                     self._counters["refits_superseded"] += 1
                 else:
+                    if not servers:
+                        self._deferred = (path, version)  # installed when a server is back
                     msgs = "; ".join(f"{s.url}: {m}" for s, (_, m) in zip(servers, results))
                     self._refit_error[seq] = (f"update_weights: version {version} could not be "
                                               f"installed on any server ({msgs or 'none up'})")

@@ -122,7 +122,7 @@ def read_run(run_dir: str, warmup_fraction: float = 0.1) -> RunMeasurements:
     for r in stats:
         first.setdefault(r.get("engine_id", ""), r.get("version", 0))
     later = [r for r in stats if r.get("version", 0) != first[r.get("engine_id", "")]]
-    fit_stats = [r for r in (later or stats) if r.get("active_slots", 0) > 0] or \
+    fit_stats = [r for r in later if r.get("active_slots", 0) > 0] or \
         [r for r in stats if r.get("active_slots", 0) > 0]
     step_t = np.asarray([r["decode_step_time_s"] if r.get("decode_step_time_s")
                          else r["active_slots"] / r["tokens_per_s"]
