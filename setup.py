@@ -8,7 +8,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["pipelinerl_jax", "pipelinerl_jax.*"]),
+    packages=find_packages(include=["pipelinerl_jax", "pipelinerl_jax.*"],
+                           exclude=["pipelinerl_jax.testing", "pipelinerl_jax.testing.*"]),
     package_data={"pipelinerl_jax.transport": ["*.proto"]},
     install_requires=[
         "jax>=0.7.0,<0.11",

@@ -7,7 +7,7 @@ A ~0.4M-parameter 2-layer Llama-style model is trained from scratch: a short sup
 start on demonstrations, then GRPO-style RL with one sampler process and one learner process,
 each pinned to one of the two cores.
 """
-from pipelinerl_jax.experiment import base_config
+from pipelinerl_jax.run_config import base_config
 
 
 def get_config(arg: str = ""):

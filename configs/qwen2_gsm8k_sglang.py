@@ -19,7 +19,7 @@ The learner writes every version to `sampler.weights_dir` (default WORKDIR/weigh
 SGLang servers read by path: it must be the same path on both hosts (a shared file system).
 The argument after ':' picks the learner's mesh (data, fsdp, tensor) from MESH_PRESETS.
 """
-from pipelinerl_jax.experiment import base_config
+from pipelinerl_jax.run_config import base_config
 
 MODEL = "/data/models/Qwen2.5-0.5B-Instruct"  # a local HF directory, never a hub id
 DATA = "/data/gsm8k"

@@ -31,7 +31,7 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the runs and their status, 
 
 def main(argv):
     del argv
-    from pipelinerl_jax.experiments import grid, runner
+    from pipelinerl_jax.ablation import grid, runner
     try:
         runs = grid.expand(_CONFIG.value)
     except ConfigError as e:
@@ -44,7 +44,7 @@ def main(argv):
         return
     out = runner.run_grid(_CONFIG.value, _WORKDIR.value, runs=runs)
     if _FIGURES.value:
-        from pipelinerl_jax.experiments import figures
+        from pipelinerl_jax.ablation import figures
         out["figures"] = figures.make_all([_WORKDIR.value], _FIGURES.value)["figures"]
     print(json.dumps({k: v for k, v in out.items() if k not in ("ran", "skipped")}, indent=2,
                      default=str))

@@ -15,7 +15,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pipelinerl_jax.config import ConfigError  # noqa: E402
-from pipelinerl_jax.sim.experiment import run  # noqa: E402
+from pipelinerl_jax.sim.commands import run  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Simulator config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where summary.json and plots go.")

@@ -204,11 +204,11 @@ class Monitor:
 
 def launch(cfg, workdir: str, progress: bool = True) -> dict:
     """Runs a whole experiment; returns the learner's final metrics (see module docstring)."""
-    from pipelinerl_jax import experiment
+    from pipelinerl_jax import run_config
     from pipelinerl_jax.metrics import plot_reward, read_jsonl
 
-    experiment.validate(cfg)
-    cfg = experiment.resolve(cfg)
+    run_config.validate(cfg)
+    cfg = run_config.resolve(cfg)
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     t = cfg.transport
@@ -319,7 +319,7 @@ def _pin(cores: List[int]) -> None:
 
 def _child(role: str, workdir: str, index: int) -> int:
     import ml_collections
-    from pipelinerl_jax.experiment import parse_cores
+    from pipelinerl_jax.run_config import parse_cores
     with open(os.path.join(workdir, "config.json")) as f:
         cfg = ml_collections.ConfigDict(json.load(f))
     if role == "learner":

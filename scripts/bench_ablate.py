@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from configs.ablate import staleness  # noqa: E402
-from pipelinerl_jax.experiments import results, runner  # noqa: E402
+from pipelinerl_jax.ablation import results, runner  # noqa: E402
 
 _WARM = flags.DEFINE_string("warm_start", None, "Warm-start model directory.", required=True)
 _CACHE = flags.DEFINE_string("xla_cache", "", "XLA cache to use (warm it first for a fair "

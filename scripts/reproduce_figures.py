@@ -6,7 +6,7 @@
 
 `--results` takes grid directories (experiments/ablate.py), run directories
 (experiments/train.py) or folders of either. Each figure picks the runs it needs by their
-config (pipelinerl_jax/experiments/figures.py); one whose runs are absent is skipped with the
+config (pipelinerl_jax/ablation/figures.py); one whose runs are absent is skipped with the
 reason, and a missing or malformed run directory is reported by name and left out. Writes
 <name>.png and <name>.svg per figure, and prints one JSON line with what each figure shows.
 """
@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-from pipelinerl_jax.experiments import figures  # noqa: E402
+from pipelinerl_jax.ablation import figures  # noqa: E402
 
 _RESULTS = flags.DEFINE_list("results", [], "Grid or run directories (comma-separated).")
 _OUT = flags.DEFINE_string("out", "figures", "Folder for the PNG and SVG files.")

@@ -5,7 +5,7 @@ weights mid-sequence, so it cannot tell the two apart).
 
     python experiments/ablate.py --config=configs/ablate/kv_policy.py --workdir=runs/kv --figures=figures/
 """
-from pipelinerl_jax.experiments.grid import sweep
+from pipelinerl_jax.ablation.grid import sweep
 
 from configs.ablate import sync_vs_async
 

@@ -13,7 +13,7 @@ at a time, one core each. The loss hyperparameters are each loss's defaults (DES
 Full grid: 9 losses x 7 lags x 2 seeds = 126 runs. `:quick`: 3 losses x 2 lags x 1 seed.
 """
 from configs import default
-from pipelinerl_jax.experiments.grid import ablation_config, sweep, variants
+from pipelinerl_jax.ablation.grid import ablation_config, sweep, variants
 
 LOSSES = ("reinforce", "ppo", "tis", "decoupled_ppo", "icepop", "staleness_clip", "cispo",
           "gspo", "m2po")

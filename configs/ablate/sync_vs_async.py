@@ -12,7 +12,7 @@ learner and the sampler on their own core as in `configs/default.py`: wall-clock
 measurement, so runs must not share cores.
 """
 from configs import default
-from pipelinerl_jax.experiments.grid import ablation_config, sweep, variants
+from pipelinerl_jax.ablation.grid import ablation_config, sweep, variants
 
 SCHEDULES = (("sync", {"mode": "sync", "max_lag": 0}),
              ("async1", {"mode": "async", "max_lag": 1}),

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax import sharding
-from pipelinerl_jax.experiment import optimizer_config
+from pipelinerl_jax.run_config import optimizer_config
 from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.models import token_logprobs, tiny_config

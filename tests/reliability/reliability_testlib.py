@@ -122,7 +122,7 @@ def sigkill(pid: int) -> None:
 
 def tiny_config():
     """The experiment config of the tiny runs, for in-process tests (worker, engine)."""
-    from pipelinerl_jax.experiment import base_config
+    from pipelinerl_jax.run_config import base_config
     cfg = base_config()
     cfg.task.median_length, cfg.task.p99_length, cfg.task.max_length = 3, 6, 8
     cfg.sampling.max_new_tokens = 9

@@ -110,7 +110,7 @@ def test_services_listen_on_loopback_by_default():
 
 
 def test_the_test_sglang_server_binds_loopback_by_default():
-    from pipelinerl_jax.rollout.sglang_test_server import parse_args
+    from pipelinerl_jax.testing.sglang_server import parse_args
     assert parse_args(["--stub"]).host == "127.0.0.1"
 
 

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.experiment import base_config, validate
+from pipelinerl_jax.run_config import base_config, validate
 from pipelinerl_jax.rollout.sglang_engine import sglang_config, validate_sglang_config
-from pipelinerl_jax.rollout.sglang_test_server import ServerProcess
+from pipelinerl_jax.testing.sglang_server import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,7 +11,7 @@ def write_run_dir(result, path, rng_seed=0, stats_per_engine=40, noise=0.02):
     st, tr = result.steps, result.trace
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(rng_seed)
-    # The pipeline's config layout (pipelinerl_jax/experiment.py), with a decoy batch_size.
+    # The pipeline's config layout (pipelinerl_jax/run_config.py), with a decoy batch_size.
     json.dump({"mode": s.mode, "seed": 0, "max_lag": s.max_lag,
                "warm_start": {"batch_size": 64},
                "rollout": {"group_size": s.group_size, "prompt_len": s.prompt_len},

@@ -2,7 +2,7 @@
 import json
 
 from configs.sim import tiny
-from pipelinerl_jax.sim.experiment import run
+from pipelinerl_jax.sim.commands import run
 
 
 def test_sweep_picks_the_fastest_split_within_the_staleness_limit(tmp_path):

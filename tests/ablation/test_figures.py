@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pipeline_testlib import ROOT
-from pipelinerl_jax.experiments import figures, results
+from pipelinerl_jax.ablation import figures, results
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import synthetic  # noqa: E402

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from pipelinerl_jax import experiment
+from pipelinerl_jax import run_config
 from pipelinerl_jax.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,8 +21,8 @@ def _default():
 
 
 def test_default_and_quick_configs_validate():
-    experiment.validate(_default())
-    resolved = experiment.resolve(_default())
+    run_config.validate(_default())
+    resolved = run_config.resolve(_default())
     assert resolved.transport.max_lag == resolved.max_lag
     assert resolved.transport.vocab_size > 0
 
@@ -51,7 +51,7 @@ def test_invalid_values_name_the_key(key, value, match):
         node = node[p]
     node[leaf] = value
     with pytest.raises(ConfigError, match=match):
-        experiment.validate(cfg)
+        run_config.validate(cfg)
 
 
 def test_loss_hparam_of_another_loss_is_rejected():
@@ -59,7 +59,7 @@ def test_loss_hparam_of_another_loss_is_rejected():
     cfg.loss.name = "ppo"
     cfg.loss.cap = 2.0  # a tis hyperparameter
     with pytest.raises(ConfigError, match=r"loss\.cap"):
-        experiment.validate(cfg)
+        run_config.validate(cfg)
 
 
 def _train(tmp_path, *flags):

@@ -1,6 +1,6 @@
 """A protocol-faithful stand-in for an SGLang server, for tests and client benchmarks.
 
-    python -m pipelinerl_jax.rollout.sglang_test_server --model-path DIR --port 0 \
+    python -m pipelinerl_jax.testing.sglang_server --model-path DIR --port 0 \
         [--weight-version 0] [--kv-policy recompute|keep] [--engine '{"max_slots": 4}'] \
         [--stub] [--startup-delay-s S] [--startup-503-s S] [--fail-every K] [--abort-every K]
         [--corrupt-every K] [--delay-s S]
@@ -635,7 +635,7 @@ class ServerProcess:
         env.setdefault("JAX_PLATFORMS", "cpu")
         env["XLA_FLAGS"] = ""  # one CPU device, whatever the parent (tests fake 8) uses
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl_jax.rollout.sglang_test_server", *args],
+            [sys.executable, "-m", "pipelinerl_jax.testing.sglang_server", *args],
             stdout=subprocess.PIPE, text=True, env=env)
         first = self._line(timeout_s)
         self.port, self.pid = first["port"], first["pid"]

@@ -12,7 +12,7 @@ Layout of WORKDIR:
     results.csv, runs.csv, cells.csv, summary.json   (results.write_tables)
     xla_cache/                    XLA's persistent compilation cache, shared by every run
 
-A run is a child process (`python -m pipelinerl_jax.experiments.runner run DIR`) calling
+A run is a child process (`python -m pipelinerl_jax.ablation.runner run DIR`) calling
 `launch.launch(config, DIR)`; its launcher starts the queue, learner and worker processes as
 in `experiments/train.py`. Resuming: a run whose status is `done` or `diverged` (the learner
 stopped on non-finite steps, a result in itself) is skipped; a run interrupted after a
@@ -38,7 +38,7 @@ from typing import List, Optional
 
 import ml_collections
 
-from pipelinerl_jax.experiments.grid import RunSpec, expand
+from pipelinerl_jax.ablation.grid import RunSpec, expand
 from pipelinerl_jax.launch import _tail
 
 FINAL = ("done", "diverged")
@@ -87,7 +87,7 @@ def split_cores(cores: List[int], n: int) -> List[str]:
 
 
 def available_cores(spec: str) -> List[int]:
-    from pipelinerl_jax.experiment import parse_cores
+    from pipelinerl_jax.run_config import parse_cores
     if spec:
         return parse_cores(spec, "runner.cores")
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -152,7 +152,7 @@ class _Proc:
         self.run_dir = run_dir
         log = open(os.path.join(run_dir, "ablate.log"), "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl_jax.experiments.runner", role, run_dir],
+            [sys.executable, "-m", "pipelinerl_jax.ablation.runner", role, run_dir],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.t0 = time.time()
@@ -207,7 +207,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
     """Runs every unfinished run of the grid `c` under `workdir`, then writes the tables.
 
     Returns {"runs": n, "ran": [...], "skipped": [...], "failed": [...], "wall_s": s}."""
-    from pipelinerl_jax.experiments import results
+    from pipelinerl_jax.ablation import results
     workdir = os.path.abspath(workdir)
     os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
     runs = runs if runs is not None else expand(c)
@@ -327,11 +327,11 @@ def _child(role: str, run_dir: str) -> int:
     described by run_dir/experiment.json into run_dir/model."""
     run_dir = os.path.abspath(run_dir)
     if role == "sft":
-        from pipelinerl_jax import experiment
+        from pipelinerl_jax import run_config
         from pipelinerl_jax.launch import _sft_evaluator
         from pipelinerl_jax.learner.sft import run_sft
         cfg = ml_collections.ConfigDict(_read_json(os.path.join(run_dir, "experiment.json")))
-        experiment.validate(cfg)
+        run_config.validate(cfg)
         print(json.dumps(run_sft(cfg, run_dir, progress=False, evaluate=_sft_evaluator(cfg))),
               flush=True)
         return 0

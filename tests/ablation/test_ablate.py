@@ -11,7 +11,7 @@ import pytest
 
 from pipeline_testlib import ROOT, TINY_FLAGS, make_init_checkpoint
 from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.experiments import grid, runner
+from pipelinerl_jax.ablation import grid, runner
 
 
 def _tiny_experiment():

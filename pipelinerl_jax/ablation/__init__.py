@@ -1,4 +1,4 @@
-"""Experiments on top of the pipeline: ablation grids, their results tables and figures.
+"""Ablations on top of the pipeline: grids, their results tables and figures.
 
   grid.py     ablation config (`ablation_config`, `sweep`, `variants`) -> runs (`expand`)
   runner.py   shared warm start, resumable parallel execution (`run_grid`)

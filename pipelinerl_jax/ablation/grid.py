@@ -155,9 +155,9 @@ def _safe(name: str) -> str:
 def expand(c: ml_collections.ConfigDict) -> List[RunSpec]:
     """Every run of the grid; raises ConfigError naming the axis key that is wrong.
 
-    Each run's experiment config is validated (`experiment.validate`) here, so a grid with a
+    Each run's experiment config is validated (`run_config.validate`) here, so a grid with a
     bad point fails before anything starts."""
-    from pipelinerl_jax import experiment
+    from pipelinerl_jax import run_config
     if not c.axes.keys():
         raise ConfigError("axes", "no axes: an ablation needs at least one (e.g. seed)")
     names = sorted(c.axes.keys())
@@ -184,7 +184,7 @@ def expand(c: ml_collections.ConfigDict) -> List[RunSpec]:
                 raise ConfigError("axes", f"run {name} changes the {sec!r} section, but every "
                                   f"run starts from one shared warm start; run a grid per {sec}")
         try:
-            experiment.validate(cfg)
+            run_config.validate(cfg)
         except ConfigError as e:
             raise ConfigError(f"experiment.{e.key}", f"(run {name}) {e}") from None
         dirname = _safe(name)

@@ -28,7 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pipelinerl_jax.experiments.results import Run, load_runs, summarize_run  # noqa: E402
+from pipelinerl_jax.ablation.results import Run, load_runs, summarize_run  # noqa: E402
 from pipelinerl_jax.metrics import read_jsonl  # noqa: E402
 
 LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")  # losses/diagnostics.py
