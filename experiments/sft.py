@@ -19,14 +19,14 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=Tr
 def main(argv):
     del argv
     from pipelinerl_jax import run_config
-    from pipelinerl_jax.launch import _sft_evaluator
+    from pipelinerl_jax.launch.roles import sft_evaluator
     from pipelinerl_jax.learner.sft import run_sft
     cfg = _CONFIG.value
     try:
         run_config.validate(cfg)
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
-    summary = run_sft(cfg, _WORKDIR.value, evaluate=_sft_evaluator(cfg))
+    summary = run_sft(cfg, _WORKDIR.value, evaluate=sft_evaluator(cfg))
     print(json.dumps(summary, indent=2))
 
 

@@ -3,7 +3,7 @@
 Every check raises `ConfigError` whose message starts with the dotted key that is wrong,
 e.g. ``ConfigError("learner.batch_size: must be a positive integer, got 0")``, so a user
 sees exactly which ``--config.a.b=...`` flag to fix. Sections validate themselves with these
-helpers; `experiments/` and `launch.py` call the section validators before any process starts.
+helpers; `experiments/` and `launch/` call the section validators before any process starts.
 """
 from __future__ import annotations
 

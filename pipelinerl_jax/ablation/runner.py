@@ -5,17 +5,21 @@
 
 Layout of WORKDIR:
     ablation.json                 the ablation config as given
-    warm_start/model              the shared SFT checkpoint (unless experiment.warm_start.checkpoint)
+    warm_start/model              the shared SFT checkpoint (unless experiment.warm_start.checkpoint;
+                                  launch/warm_start.py, the same warm start as a single run's)
     runs/<run>/spec.json          name, labels, cell and full experiment config of the run
     runs/<run>/status.json        done | diverged | failed, attempts, seconds, cores
+    runs/<run>/ablate.log         the run's launcher output
     runs/<run>/...                the run directory (docs/metrics.md)
     results.csv, runs.csv, cells.csv, summary.json   (results.write_tables)
     xla_cache/                    XLA's persistent compilation cache, shared by every run
 
 A run is a child process (`python -m pipelinerl_jax.ablation.runner run DIR`) calling
 `launch.launch(config, DIR)`; its launcher starts the queue, learner and worker processes as
-in `experiments/train.py`. Resuming: a run whose status is `done` or `diverged` (the learner
-stopped on non-finite steps, a result in itself) is skipped; a run interrupted after a
+in `experiments/train.py`, each process supervised by `launch/supervisor.py`. A run is
+`diverged` when its learner left a `learner_stopped` record with reason `diverged` in the
+run's `events.jsonl` (launch/outcome.py: it stopped on non-finite steps, a result in itself).
+Resuming: a run whose status is `done` or `diverged` is skipped; a run interrupted after a
 committed checkpoint restarts in place and its learner resumes from that checkpoint; one
 interrupted before any checkpoint is wiped and restarted; a `failed` one is retried.
 
@@ -30,18 +34,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from typing import List, Optional
 
 import ml_collections
 
+from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation.grid import RunSpec, expand
-from pipelinerl_jax.launch import _tail
+from pipelinerl_jax.launch import launch, outcome
+from pipelinerl_jax.launch.supervisor import Child, tail
+from pipelinerl_jax.launch.warm_start import warm_start
 
 FINAL = ("done", "diverged")
+STOP_GRACE_S = 60.0  # a run's launcher stops its own children within their timeouts
 
 
 def _write_json(path: str, obj) -> None:
@@ -93,39 +99,6 @@ def available_cores(spec: str) -> List[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
-# ============================================================================ warm start
-
-def warm_start(c, workdir: str, log=print) -> str:
-    """The checkpoint every run starts from: `experiment.warm_start.checkpoint` if given,
-    else `WORKDIR/warm_start/model`, trained once (in a child process) when missing."""
-    given = c.experiment.warm_start.checkpoint
-    if given:
-        if not os.path.isfile(os.path.join(given, "config.json")):
-            from pipelinerl_jax.config import ConfigError
-            raise ConfigError("experiment.warm_start.checkpoint",
-                              f"{given!r} is not a model directory (no config.json)")
-        return os.path.abspath(given)
-    ws = os.path.join(workdir, "warm_start")
-    model = os.path.join(ws, "model")
-    if os.path.isfile(os.path.join(model, "config.json")):
-        return model
-    os.makedirs(ws, exist_ok=True)
-    _write_json(os.path.join(ws, "experiment.json"), c.experiment.to_dict())
-    for stale in ("sft_metrics.jsonl",):  # an interrupted earlier attempt
-        if os.path.exists(os.path.join(ws, stale)):
-            os.remove(os.path.join(ws, stale))
-    log(f"warm start: {c.experiment.warm_start.steps} supervised steps -> {model}")
-    t0 = time.time()
-    code = _child_process("sft", ws, _env(c, workdir), c.runner.warm_start_timeout_s)
-    if code != 0 or not os.path.isfile(os.path.join(model, "config.json")):
-        raise RuntimeError(f"warm start failed (exit {code}); log: {os.path.join(ws, 'ablate.log')}"
-                           f"\n{_tail(os.path.join(ws, 'ablate.log'))}")
-    s = _read_json(os.path.join(ws, "sft_summary.json")) or {}
-    log(f"warm start done in {time.time() - t0:.0f} s"
-        + (f", held-out accuracy {s['eval/accuracy']:.3f}" if "eval/accuracy" in s else ""))
-    return model
-
-
 # ============================================================================ the grid
 
 def _env(c, workdir: str) -> dict:
@@ -144,40 +117,11 @@ def _env(c, workdir: str) -> dict:
     return env
 
 
-class _Proc:
-    """One child (a run or the warm start) with its own log; stopped with SIGTERM so the
-    launcher inside stops its queue, learner and workers in order."""
-
-    def __init__(self, role: str, run_dir: str, env: dict):
-        self.run_dir = run_dir
-        log = open(os.path.join(run_dir, "ablate.log"), "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl_jax.ablation.runner", role, run_dir],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
-        self.t0 = time.time()
-
-    def stop(self, grace: float = 60.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def _child_process(role: str, run_dir: str, env: dict, timeout_s: float) -> int:
-    p = _Proc(role, run_dir, env)
-    try:
-        return p.proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        p.stop()
-        return -1
-    except BaseException:
-        p.stop()
-        raise
+def run_child(run_dir: str, env: dict) -> Child:
+    """The started process of one run (`python -m pipelinerl_jax.ablation.runner run DIR`),
+    its output in `run_dir/ablate.log`; SIGTERM makes its launcher stop the run in order."""
+    return Child("run", [sys.executable, "-m", "pipelinerl_jax.ablation.runner", "run", run_dir],
+                 os.path.join(run_dir, "ablate.log"), env=env).start()
 
 
 def prepare_run(run: RunSpec, run_dir: str) -> str:
@@ -224,14 +168,17 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
         f"({c.runner.parallel} at a time)")
     ran, failed = [], []
     if todo:
-        ckpt = warm_start(c, workdir, log)
         env = _env(c, workdir)
+        exp = ml_collections.ConfigDict(c.experiment.to_dict())
+        run_config.validate(exp)
+        ckpt = warm_start(run_config.resolve(exp), workdir, progress=False, env=env,
+                          timeout_s=c.runner.warm_start_timeout_s, log=log)
         if c.runner.warmup_steps and env.get("PIPELINERL_JAX_CACHE"):
             _warmup(c, workdir, todo[0], ckpt, env, log)
         slots = split_cores(available_cores(c.runner.cores), c.runner.parallel) \
             if c.runner.parallel > 1 and c.runner.pin else [None] * c.runner.parallel
         free = list(range(c.runner.parallel))
-        active = {}  # slot -> (RunSpec, _Proc, mode)
+        active = {}  # slot -> (RunSpec, run dir, Child, mode)
         queue = list(todo)
         try:
             while queue or active:
@@ -246,26 +193,26 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
                         cfg.resources.learner_cores = slots[slot]
                         cfg.resources.sampler_cores = slots[slot]
                     _write_json(os.path.join(run_dir, "launch_config.json"), cfg.to_dict())
-                    active[slot] = (r, _Proc("run", run_dir, env), how)
+                    active[slot] = (r, run_dir, run_child(run_dir, env), how)
                     log(f"  {how:6s} {r.name}" + (f"  [cores {slots[slot]}]" if slots[slot] else ""))
                 time.sleep(1.0)
-                for slot, (r, p, how) in list(active.items()):
-                    code = p.proc.poll()
-                    if code is None and time.time() - p.t0 > c.runner.run_timeout_s:
-                        p.stop()
+                for slot, (r, run_dir, p, how) in list(active.items()):
+                    code = p.poll()
+                    if code is None and time.time() - p.started_at > c.runner.run_timeout_s:
+                        p.stop(STOP_GRACE_S)
                         code = -1
                     if code is None:
                         continue
-                    status = _finish(r, p, code, slots[slot], how)
+                    status = _finish(run_dir, p, code, slots[slot], how)
                     (ran if status in FINAL else failed).append(r.name)
-                    log(f"  {status:8s} {r.name} in {time.time() - p.t0:.0f} s"
-                        + _brief(p.run_dir))
+                    log(f"  {status:8s} {r.name} in {time.time() - p.started_at:.0f} s"
+                        + _brief(run_dir))
                     del active[slot]
                     free.append(slot)
         except BaseException:
             log(f"stopping {len(active)} run(s); re-run the same command to resume")
-            for _, p, _ in active.values():
-                p.stop()
+            for _, _, p, _ in active.values():
+                p.stop(STOP_GRACE_S)
             raise
     tables = results.write_tables(workdir, c.analysis)
     out = {"runs": len(runs), "ran": ran, "skipped": skipped, "failed": failed,
@@ -291,26 +238,28 @@ def _warmup(c, workdir: str, first: RunSpec, ckpt: str, env: dict, log) -> None:
     cfg.learner.checkpoint_every = c.runner.warmup_steps
     _write_json(os.path.join(d, "launch_config.json"), cfg.to_dict())
     t0 = time.time()
-    code = _child_process("run", d, env, c.runner.run_timeout_s)
+    code = run_child(d, env).wait(c.runner.run_timeout_s, grace=STOP_GRACE_S)
     log(f"  warmup ({c.runner.warmup_steps} steps of {first.name}, fills the XLA cache; not a "
         f"result) exit {code} in {time.time() - t0:.0f} s")
 
 
-def _finish(r: RunSpec, p: _Proc, code: int, cores, how: str) -> str:
-    log_path = os.path.join(p.run_dir, "ablate.log")
-    tail = _tail(log_path, 60)
+def run_outcome(run_dir: str, code: int, since: float) -> str:
+    """'done' | 'diverged' | 'failed' of a run attempt that started at `since` and exited with
+    `code`: diverged when its learner recorded so (launch/outcome.py), whatever its log says."""
     if code == 0:
-        status = "done"
-    elif "TooManySkippedSteps" in tail or "TooManySkippedSteps" in _tail(
-            os.path.join(p.run_dir, "logs", "learner.log"), 60):
-        status = "diverged"  # the learner gave up on non-finite steps: an outcome, not a bug
-    else:
-        status = "failed"
-    prev = _read_json(os.path.join(p.run_dir, "status.json")) or {}
-    _write_json(os.path.join(p.run_dir, "status.json"), {
-        "status": status, "returncode": code, "seconds": time.time() - p.t0,
+        return "done"
+    if outcome.diverged(run_dir, since):
+        return "diverged"  # the learner gave up on non-finite steps: an outcome, not a bug
+    return "failed"
+
+
+def _finish(run_dir: str, p: Child, code: int, cores, how: str) -> str:
+    status = run_outcome(run_dir, code, p.started_at)
+    prev = _read_json(os.path.join(run_dir, "status.json")) or {}
+    _write_json(os.path.join(run_dir, "status.json"), {
+        "status": status, "returncode": code, "seconds": time.time() - p.started_at,
         "attempts": prev.get("attempts", 0) + 1, "cores": cores, "how": how,
-        "error": None if status == "done" else tail[-2000:]})
+        "error": None if status == "done" else tail(p.log_path, 60)[-2000:]})
     return status
 
 
@@ -323,24 +272,13 @@ def _brief(run_dir: str) -> str:
 # ============================================================================ child side
 
 def _child(role: str, run_dir: str) -> int:
-    """`run`: launch the run described by run_dir/launch_config.json; `sft`: the warm start
-    described by run_dir/experiment.json into run_dir/model."""
+    """`run`: launch the run described by run_dir/launch_config.json."""
     run_dir = os.path.abspath(run_dir)
-    if role == "sft":
-        from pipelinerl_jax import run_config
-        from pipelinerl_jax.launch import _sft_evaluator
-        from pipelinerl_jax.learner.sft import run_sft
-        cfg = ml_collections.ConfigDict(_read_json(os.path.join(run_dir, "experiment.json")))
-        run_config.validate(cfg)
-        print(json.dumps(run_sft(cfg, run_dir, progress=False, evaluate=_sft_evaluator(cfg))),
-              flush=True)
-        return 0
     if role == "run":
-        from pipelinerl_jax.launch import launch
         cfg = ml_collections.ConfigDict(_read_json(os.path.join(run_dir, "launch_config.json")))
         print(json.dumps(launch(cfg, run_dir, progress=False)), flush=True)
         return 0
-    raise SystemExit(f"unknown role {role!r} (valid: run, sft)")
+    raise SystemExit(f"unknown role {role!r} (valid: run)")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -167,3 +168,19 @@ def test_split_cores():
     assert runner.split_cores([0, 1], 2) == ["0", "1"]
     assert runner.split_cores([0, 1, 2, 3], 2) == ["0,1", "2,3"]
     assert runner.split_cores([5], 2) == ["5", "5"]
+
+
+def test_a_run_diverged_only_when_its_learner_recorded_so(tmp_path):
+    from pipelinerl_jax.launch import outcome
+    from pipelinerl_jax.learner.loop import TooManySkippedSteps
+    d = str(tmp_path / "run")
+    os.makedirs(os.path.join(d, "logs"))
+    # The word in its logs (a user's message, a traceback of some other failure) is no record.
+    for log in ("ablate.log", os.path.join("logs", "learner.log")):
+        open(os.path.join(d, log), "w").write("TooManySkippedSteps mentioned\n")
+    assert runner.run_outcome(d, 1, since=0.0) == "failed"
+    outcome.record_learner_stopped(d, TooManySkippedSteps("3 consecutive steps ..."))
+    assert runner.run_outcome(d, 1, since=0.0) == "diverged"
+    assert runner.run_outcome(d, 0, since=0.0) == "done"
+    # A record of an earlier attempt says nothing about this one.
+    assert runner.run_outcome(d, 1, since=time.time() + 1) == "failed"

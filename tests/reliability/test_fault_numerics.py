@@ -114,6 +114,10 @@ def test_non_finite_steps_are_skipped_then_too_many_stop_the_run(tmp_path, init_
     assert "TooManySkippedSteps: 3 consecutive steps had a non-finite loss or gradient " \
            "(learner.max_consecutive_skips=3)" in out, logs(workdir)
     assert "with a checkpoint of the last good state" in out
+    # ... and said so in a record, not only in words: what the ablation runner reads.
+    (stopped,) = [e for e in read_jsonl(os.path.join(workdir, "events.jsonl"))
+                  if e["event"] == "learner_stopped"]
+    assert stopped["reason"] == "diverged" and stopped["error"] == "TooManySkippedSteps"
 
     rows = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if r["step"] > 0]
     skipped = [r["step"] for r in rows if r["learner/skipped_steps"]]

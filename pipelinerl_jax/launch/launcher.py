@@ -1,0 +1,147 @@
+"""One run: queue server, rollout workers and learner as separate, supervised processes.
+
+    launch(config, workdir)          # what experiments/train.py calls
+
+1. validate the config (before any process starts) and write `workdir/config.json`;
+2. warm start (warm_start.py): SFT on the task's demonstrations in a child process, unless a
+   checkpoint is given or already in the workdir (`workdir/warm_start/model`);
+3. start the queue server, the learner and `rollout.num_workers` workers (roles.py), each
+   pinned to its cores (`resources.*`);
+4. watch them: show a progress bar fed by `metrics.jsonl` (progress.py); restart a child that
+   dies, up to `launch.max_{worker,queue,learner}_restarts` times (a restarted queue comes
+   back empty on the same address: clients reconnect, workers regenerate what it lost; a
+   restarted learner resumes from its last committed checkpoint and the queue redelivers what
+   it had not acknowledged); past that, stop everything and fail with the tail of the child's
+   log; on Ctrl-C / SIGTERM stop the children cleanly. Every start and restart is a line of
+   `workdir/events.jsonl` (time, child, pid, exit code; supervisor.py);
+5. when the learner finishes, stop workers and queue, and plot reward vs wall-clock.
+
+Every address is a config value (`transport.host`, ports; 0 = pick a free port), so the
+same roles run across hosts: `python -m pipelinerl_jax.launch --role=worker --workdir=DIR`
+on a sampler host with the same `config.json`. A multi-host learner calls
+`jax.distributed.initialize()` when `JAX_COORDINATOR_ADDRESS` is set (one learner process
+per host; only process 0 pulls batches and publishes weights).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from typing import List
+
+from pipelinerl_jax import run_config
+from pipelinerl_jax.launch import roles
+from pipelinerl_jax.launch.progress import Monitor
+from pipelinerl_jax.launch.supervisor import Child, LaunchError, stop_all, tail
+from pipelinerl_jax.launch.warm_start import warm_start
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch(cfg, workdir: str, progress: bool = True) -> dict:
+    """Runs a whole experiment; returns the learner's final metrics (see module docstring)."""
+    from pipelinerl_jax.metrics import plot_reward, read_jsonl  # numpy: roles pin cores first
+
+    run_config.validate(cfg)
+    cfg = run_config.resolve(cfg)
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    t = cfg.transport
+    if t.queue_port == 0:
+        t.queue_port = _free_port(t.host)
+    if t.weights_port == 0:
+        t.weights_port = _free_port(t.host)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(cfg.to_json(indent=2))
+
+    children: List[Child] = []
+    stopping = threading.Event()
+
+    def on_signal(signum, _frame):
+        stopping.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        init_ckpt = warm_start(cfg, workdir, progress=progress, stopping=stopping)
+        with open(os.path.join(workdir, "init_checkpoint.txt"), "w") as f:
+            f.write(init_ckpt)
+        if stopping.is_set():
+            raise KeyboardInterrupt
+        queue = roles.child("queue", workdir).start()
+        children.append(queue)
+        _wait_queue(cfg, queue)
+        learner = roles.child("learner", workdir).start()
+        workers = [roles.child("worker", workdir, i).start()
+                   for i in range(cfg.rollout.num_workers)]
+        children += [learner] + workers
+        monitor = Monitor(workdir, cfg.learner.total_steps) if progress else None
+        while True:
+            if stopping.is_set():
+                raise KeyboardInterrupt
+            if monitor is not None:
+                monitor.update()
+            code = learner.poll()
+            if code == 0:
+                break
+            if code is not None:
+                learner.restart(code, cfg.launch.max_learner_restarts)
+            code = queue.poll()
+            if code is not None:  # same address; it comes back empty
+                queue.restart(code, cfg.launch.max_queue_restarts)
+                _wait_queue(cfg, queue)
+            for w in workers:
+                code = w.poll()
+                if code is not None:
+                    w.restart(code, cfg.launch.max_worker_restarts)
+            time.sleep(0.5)
+        if monitor is not None:
+            monitor.close()
+    except KeyboardInterrupt:
+        print("\nstopping (interrupted) ...", flush=True)
+        stop_all(children, cfg.launch.shutdown_timeout_s)
+        raise
+    except BaseException:
+        stop_all(children, cfg.launch.shutdown_timeout_s)
+        raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    stop_all(children, cfg.launch.shutdown_timeout_s)
+    plot = plot_reward(workdir)
+    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    final = {k: v for k, v in (rows[-1] if rows else {}).items() if not isinstance(v, list)}
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    summary = {"workdir": workdir, "plot": plot, "steps": final.get("step", 0),
+               "wall_time_s": final.get("wall_time_s"),
+               "eval_accuracy_first": evals[0] if evals else None,
+               "eval_accuracy_last": evals[-1] if evals else None}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _wait_queue(cfg, queue: Child) -> None:
+    from pipelinerl_jax.transport import (  # grpc, numpy: roles pin cores first
+        RolloutQueueClient, client_kwargs, queue_address)
+    client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
+    deadline = time.time() + cfg.launch.startup_timeout_s
+    try:
+        while True:
+            if queue.poll() is not None:
+                raise LaunchError(f"queue server failed to start:\n{tail(queue.log_path)}")
+            try:
+                client.wait_ready(2.0)
+                return
+            except Exception:  # noqa: BLE001 - not up yet
+                if time.time() > deadline:
+                    raise LaunchError(f"queue server not ready after "
+                                      f"{cfg.launch.startup_timeout_s}s") from None
+    finally:
+        client.close()

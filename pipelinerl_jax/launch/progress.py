@@ -1,0 +1,80 @@
+"""Progress bars over the files a run writes (the processes write them; we only read).
+
+`Monitor`: RL steps from `metrics.jsonl` with reward, held-out accuracy, lag and occupancy.
+`SftProgress`: warm-start steps from `warm_start/sft_metrics.jsonl` with the loss.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict
+
+from tqdm import tqdm
+
+
+class Monitor:
+    """Progress bar over `metrics.jsonl` (the learner writes it; we only read)."""
+
+    def __init__(self, workdir: str, total: int):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.bar = tqdm(total=total, desc="RL", unit="step", dynamic_ncols=True)
+        self._pos = 0
+        self.last: Dict = {}
+
+    def update(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            f.seek(self._pos)
+            chunk = f.read()
+        lines = chunk.split("\n")
+        self._pos += len(chunk) - len(lines[-1])
+        changed = False
+        for line in lines[:-1]:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.last.update({k: v for k, v in row.items() if not isinstance(v, list)})
+            changed = True
+        if changed:
+            self.bar.n = self.last.get("step", 0)
+            post = {}
+            for key, short in (("reward/mean", "reward"), ("eval/accuracy", "eval_acc"),
+                               ("lag/mean", "lag"), ("sampler/occupancy", "occ")):
+                if isinstance(self.last.get(key), (int, float)):
+                    post[short] = f"{self.last[key]:.3f}"
+            self.bar.set_postfix(post)
+            self.bar.refresh()
+
+    def close(self):
+        self.update()
+        self.bar.close()
+
+
+class SftProgress:
+    """Progress bar over the warm start's `sft_metrics.jsonl`, shown from its first row."""
+
+    def __init__(self, ws_dir: str, total: int):
+        self.path = os.path.join(ws_dir, "sft_metrics.jsonl")
+        self.total = total
+        self.bar = None
+
+    def update(self) -> None:
+        from pipelinerl_jax.metrics import read_jsonl  # numpy: roles pin cores first
+        rows = read_jsonl(self.path)
+        if not rows:
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, desc="warm start", unit="step",
+                            dynamic_ncols=True)
+        if self.bar.n != rows[-1]["step"] + 1:
+            self.bar.n = rows[-1]["step"] + 1
+            self.bar.set_postfix(loss=f"{rows[-1]['sft/loss']:.3f}")
+            self.bar.refresh()
+
+    def close(self, done: bool) -> None:
+        if self.bar is not None:
+            if done:
+                self.bar.n = self.total
+            self.bar.close()

@@ -1,0 +1,143 @@
+"""The child roles: queue server, learner, rollout worker and the SFT warm start.
+
+    python -m pipelinerl_jax.launch --role=worker --workdir=DIR [--index=I]
+
+Every role reads `DIR/config.json` (the launcher writes it), pins itself to its cores
+(`resources.*`) before JAX is imported, so XLA sizes its thread pool to them, and stops
+cleanly on SIGTERM. The SFT role's DIR is the warm-start directory (`RUN/warm_start`); it
+writes `DIR/model`. A learner that stops on an exception leaves a `learner_stopped` record
+in `DIR/events.jsonl` first (outcome.py). Hence the imports inside functions here: nothing
+heavy may load before the pinning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+from typing import List, Optional
+
+from pipelinerl_jax.launch.outcome import record_learner_stopped
+from pipelinerl_jax.launch.supervisor import Child, LaunchError
+
+ROLES = ("queue", "learner", "worker", "sft")
+# stop_all: producers first, then the learner (it checkpoints on SIGTERM), then the queue.
+STOP_RANK = {"worker": 0, "sft": 0, "learner": 1, "queue": 2}
+
+
+# ============================================================================ parent side
+
+def child(role: str, workdir: str, index: int = 0, env: Optional[dict] = None) -> Child:
+    """The (not yet started) child process running `role` on `workdir`; its log is
+    `workdir/logs/<name>.log` and its starts and exits go to `workdir/events.jsonl`."""
+    name = role if role != "worker" else f"worker{index}"
+    cmd = [sys.executable, "-m", "pipelinerl_jax.launch", f"--role={role}",
+           f"--workdir={workdir}", f"--index={index}"]
+    return Child(name, cmd, os.path.join(workdir, "logs", f"{name}.log"), env=env,
+                 events=os.path.join(workdir, "events.jsonl"), stop_rank=STOP_RANK[role])
+
+
+# ============================================================================ child side
+
+def run_role(role: str, workdir: str, index: int = 0) -> int:
+    """Runs `role` in this process until it ends; returns its exit code."""
+    try:
+        return _run_role(role, workdir, index)
+    except Exception as e:
+        if role == "learner":
+            record_learner_stopped(workdir, e)
+        raise
+
+
+def _pin(cores: List[int]) -> None:
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+
+
+def _run_role(role: str, workdir: str, index: int) -> int:
+    import ml_collections
+    from pipelinerl_jax.run_config import parse_cores
+    with open(os.path.join(workdir, "config.json")) as f:
+        cfg = ml_collections.ConfigDict(json.load(f))
+    if role == "learner":
+        _pin(parse_cores(cfg.resources.learner_cores, "resources.learner_cores"))
+    elif role in ("worker",):
+        _pin(parse_cores(cfg.resources.sampler_cores, "resources.sampler_cores"))
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    if role != "queue":
+        from pipelinerl_jax import compile_cache
+        compile_cache.enable()
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    if role == "queue":
+        from pipelinerl_jax.transport import RolloutQueueServer
+        server = RolloutQueueServer.from_config(cfg.transport).start()
+        print(f"RolloutQueue listening on {server.address}", flush=True)
+        stop.wait()
+        server.stop(grace=1.0)
+        return 0
+    if role == "sft":
+        from pipelinerl_jax.learner.sft import run_sft
+        print(json.dumps(run_sft(cfg, workdir, progress=False, evaluate=sft_evaluator(cfg))),
+              flush=True)
+        return 0
+    init_ckpt = open(os.path.join(workdir, "init_checkpoint.txt")).read().strip()
+    if role == "learner":
+        if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+            import jax
+            jax.distributed.initialize()
+        from pipelinerl_jax.learner.loop import run_learner
+        out = run_learner(cfg, workdir, init_ckpt, stop_event=stop)
+        print(json.dumps(out), flush=True)
+        return 0
+    if role == "worker":
+        return _run_worker(cfg, workdir, index, init_ckpt, stop)
+    raise LaunchError(f"unknown role {role!r}")
+
+
+def sft_evaluator(cfg):
+    """`evaluate(model) -> dict` for `run_sft`: held-out accuracy (None if eval_size is 0)."""
+    if cfg.learner.eval_size <= 0:
+        return None
+
+    def evaluate(model):
+        from pipelinerl_jax.learner.loop import Evaluator
+        from pipelinerl_jax.models import flat_params
+        from pipelinerl_jax.tasks import get_task
+        from pipelinerl_jax.tokenizers import get_tokenizer
+        ev = Evaluator(cfg, model, get_task(cfg.task), get_tokenizer(cfg.tokenizer))
+        try:
+            return ev(flat_params(model), 0)
+        finally:
+            ev.close()
+    return evaluate
+
+
+def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.Event) -> int:
+    from pipelinerl_jax.rollout.factory import make_engine
+    from pipelinerl_jax.rollout.worker import RolloutWorker
+    from pipelinerl_jax.tasks import get_task
+    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.transport import (RolloutQueueClient, WeightSubscriber, client_kwargs,
+                                          queue_address, subscriber_kwargs, weights_address)
+    tok, task = get_tokenizer(cfg.tokenizer), get_task(cfg.task)
+    # Version -1 until the learner's current weights arrive: nothing is sampled before.
+    engine = make_engine(cfg, init_ckpt, index, workdir)
+    client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
+    client.wait_ready(60.0)
+    worker = RolloutWorker(cfg, engine, task, tok, client, worker_index=index, workdir=workdir)
+    sub = WeightSubscriber(weights_address(cfg.transport), worker.on_weights,
+                           **subscriber_kwargs(cfg.transport))
+    threading.Thread(target=lambda: (stop.wait(), worker.stop()), daemon=True).start()
+    try:
+        worker.run()
+    finally:
+        sub.close()
+        engine.close()
+        client.close()
+    print(json.dumps({"worker": index, **dict(worker.counts)}), flush=True)
+    return 0
