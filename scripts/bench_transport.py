@@ -240,7 +240,7 @@ def weight_sync(model: str, versions: int, chunk_bytes: int, checksum: bool = Tr
     proc.start()
     address, nbytes, nparams = parent.recv()
     applied = {}
-    sub = WeightSubscriber(address, lambda v, p: applied.__setitem__(v, time.monotonic()),
+    sub = WeightSubscriber(address, lambda v, p, pv: applied.__setitem__(v, time.monotonic()),
                            max_message_bytes=chunk_bytes + (1 << 20))
     times = []
     for v in range(versions):

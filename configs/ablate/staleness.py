@@ -8,15 +8,14 @@ Every run trains from the same warm start with `lag_injection` (kind 'fixed'): t
 ships the sampler the weights of version L-k, so every trained token has lag exactly k
 (min(k, step) in the first k steps) and a run is deterministic and lock-step. That isolates
 the loss's handling of staleness from the pipeline's timing, and makes runs cheap to run two
-at a time, one core each. The loss hyperparameters are each loss's defaults (DESIGN.md).
+at a time, one core each. The losses are every loss of the registry, in its order, each
+with its default hyperparameters (DESIGN.md): a loss added there joins the grid.
 
 Full grid: 9 losses x 7 lags x 2 seeds = 126 runs. `:quick`: 3 losses x 2 lags x 1 seed.
 """
 from configs import default
 from pipelinerl_jax.ablation.grid import ablation_config, sweep, variants
-
-LOSSES = ("reinforce", "ppo", "tis", "decoupled_ppo", "icepop", "staleness_clip", "cispo",
-          "gspo", "m2po")
+from pipelinerl_jax.losses import LOSSES
 LAGS = (0, 1, 2, 4, 8, 16, 32)
 
 

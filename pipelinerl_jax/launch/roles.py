@@ -91,7 +91,19 @@ def _run_role(role: str, workdir: str, index: int) -> int:
             import jax
             jax.distributed.initialize()
         from pipelinerl_jax.learner.loop import run_learner
-        out = run_learner(cfg, workdir, init_ckpt, stop_event=stop)
+        from pipelinerl_jax.rollout.evaluator import learner_evaluator
+        from pipelinerl_jax.transport.weight_sink import make_weight_sink
+        # TODO(backend table): the sampler kind's table entry names its sink
+        sink = make_weight_sink("hf_dir" if cfg.sampler.kind == "sglang" else "stream", cfg,
+                                workdir, init_checkpoint=init_ckpt)
+        evaluate = learner_evaluator(cfg, init_ckpt)
+        try:
+            out = run_learner(cfg, workdir, init_ckpt, stop_event=stop, weight_sink=sink,
+                              evaluate=evaluate)
+        finally:
+            sink.close()
+            if evaluate is not None:
+                evaluate.close()
         print(json.dumps(out), flush=True)
         return 0
     if role == "worker":
@@ -105,7 +117,7 @@ def sft_evaluator(cfg):
         return None
 
     def evaluate(model):
-        from pipelinerl_jax.learner.loop import Evaluator
+        from pipelinerl_jax.rollout.evaluator import Evaluator
         from pipelinerl_jax.models import flat_params
         from pipelinerl_jax.tasks import get_task
         from pipelinerl_jax.tokenizers import get_tokenizer

@@ -1,13 +1,19 @@
 """The learner process: RolloutQueue batches → sharded train step → new weights out.
 
-Read top to bottom (big_vision style): mesh, model and optimizer, checkpoint restore,
-transport, the loop, the end. One learner step:
+Read top to bottom (big_vision style): mesh, model and step, checkpoint restore, transport,
+the loop, the end. One learner step:
 
     batch = queue.get_batch(B groups)            # whole groups, staleness policy applied
     pack → [B·G, T] bucketed arrays              # lag measured now, at train time
     state, metrics = train_step(state, batch)    # jitted, sharded, donated
-    version += 1; queue.set_version(version); publisher.publish(version, params)
+    version += 1; queue.set_version(version); weight_sink.publish(version, params)
     every `checkpoint_every` steps: save (async); ack the batches the previous save covers
+
+The learner knows no engine: weights leave through the `weight_sink` it is handed
+(`transport.weight_sink`: a stream of arrays or HF directories, the launcher chooses),
+held-out evaluation is the `evaluate(params_flat, version)` callable it is handed, and under
+lag injection `lag_injection.LagInjector` says which version's params to ship. The loss says
+what it needs (its resolved aggregation, whether it uses the proximal policy).
 
 At-least-once delivery + the trained-batch ids stored in each checkpoint make a crash safe:
 unacknowledged batches are redelivered to the restarted learner, which retrains those after
@@ -23,22 +29,24 @@ import collections
 import logging
 import os
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import jax
 import numpy as np
 from flax import nnx
 
 from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax.lag_injection import LagInjector
 from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.learner.checkpoint import Checkpointer
+from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.metrics import MetricsWriter, append_jsonl
-from pipelinerl_jax.rollout.worker import injected_lag
+from pipelinerl_jax.models import from_pretrained
+from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.transport import RolloutQueueClient, client_kwargs, queue_address
+from pipelinerl_jax.transport.queue_client import QueueUnavailable
 
 log = logging.getLogger(__name__)
-
-# Losses whose `logp_old` is the proximal policy when one is given (DESIGN.md).
-PROXIMAL_LOSSES = ("decoupled_ppo", "icepop", "staleness_clip")
 
 
 class TooManySkippedSteps(RuntimeError):
@@ -52,11 +60,22 @@ def flat_host_params(params) -> Dict[str, np.ndarray]:
     return {sharding_lib.path_name(p): np.asarray(v) for p, v in leaves}
 
 
-def uses_proximal(cfg) -> bool:
-    setting = cfg.learner.recompute_proximal
-    if setting == "auto":
-        return cfg.loss.name in PROXIMAL_LOSSES
-    return bool(setting)
+def uses_proximal(setting, loss_fn) -> bool:
+    """`learner.recompute_proximal`: 'auto' means whatever the loss declares it needs."""
+    return bool(loss_fn.needs_proximal) if setting == "auto" else bool(setting)
+
+
+def make_step(cfg, model, optimizer, mesh, state):
+    """The jitted train step of `cfg`. The loss's own resolved hyperparameters decide the
+    micro-batch weighting (by tokens for `token_mean`, the default aggregation), never the
+    raw config section, whose unset keys are None placeholders."""
+    L, loss_fn = cfg.learner, loss_from_config(cfg.loss)
+    return ts.make_train_step(
+        nnx.graphdef(model), optimizer, loss_fn, mesh=mesh,
+        state_sharding=ts.state_shardings(state), temperature=cfg.sampling.temperature or 1.0,
+        minibatches=L.minibatches, micro_batches=L.micro_batches,
+        use_proximal=uses_proximal(L.recompute_proximal, loss_fn),
+        token_weighted=loss_fn.hparams.get("agg") == "token_mean")
 
 
 def _group_key(group_id: str):
@@ -104,67 +123,66 @@ def batch_metrics(rollouts, packed, version: int) -> dict:
     return out
 
 
-class Evaluator:
-    """Held-out greedy accuracy with an embedded engine holding the learner's weights."""
+class BatchAcks:
+    """Acknowledges trained batches to the queue once a durable checkpoint covers them; until
+    then the queue keeps them and redelivers them to a restarted learner."""
 
-    def __init__(self, cfg, model, task, tok):
-        from pipelinerl_jax.rollout.jax_engine import JaxEngine
-        self.task, self.tok = task, tok
-        self.problems = task.eval_problems(cfg.learner.eval_size)
-        engine_cfg = dict(cfg.engine)
-        engine_cfg.update(max_slots=min(64, max(8, cfg.learner.eval_size)), kv_budget_tokens=0)
-        self.engine = JaxEngine(model, engine_cfg, version=0, engine_id="eval")
-        self.max_new_tokens = cfg.sampling.max_new_tokens
+    def __init__(self, client, ckpt: Checkpointer):
+        self.client, self.ckpt = client, ckpt
+        self.unacked: List[str] = []  # trained, not yet covered by a durable checkpoint
+        self.covered: List[str] = []  # covered by the checkpoint being saved
+        self.failed: List[str] = []  # committed, but the ack did not reach the queue yet
 
-    def __call__(self, params_flat, version: int) -> dict:
-        from pipelinerl_jax.types import GenerationRequest, SamplingParams
-        if version != self.engine.version:
-            self.engine.update_weights(params_flat, version)
-        reqs = [GenerationRequest(f"eval-{version}-{i}",
-                                  np.asarray(self.tok.encode_prompt(p.prompt), np.int32),
-                                  SamplingParams(max_new_tokens=self.max_new_tokens,
-                                                 temperature=0.0,
-                                                 stop_token_ids=(self.tok.eos_id,)))
-                for i, p in enumerate(self.problems)]
-        t0 = time.time()
-        outs = self.engine.generate(reqs)
-        correct = [self.task.reward(p, self.tok.decode(c.token_ids, stop_at_eos=True),
-                                    c.finish_reason).correct
-                   for p, c in zip(self.problems, outs)]
-        return {"eval/accuracy": float(np.mean(correct)),
-                "eval/response_length_mean": float(np.mean([len(c.token_ids) for c in outs])),
-                "eval/time_s": time.time() - t0}
+    def ack(self, batch_ids) -> None:
+        todo = self.failed + list(batch_ids)
+        if not todo:
+            return
+        try:
+            self.client.ack(todo)
+            self.failed = []
+        except QueueUnavailable as e:  # retried with the next checkpoint's acks
+            log.warning("ack of %d batches failed: %s", len(todo), e)
+            self.failed = todo
 
-    def close(self):
-        self.engine.close()
+    def checkpoint(self, step: int, state, meta: dict, history) -> None:
+        """Saves (async) once the previous save is durable, acking the batches it covered."""
+        self.ckpt.wait()
+        self.ack(self.covered)
+        self.ckpt.save(step, state, meta, history=history)
+        self.covered, self.unacked = self.unacked, []
+
+    def ack_durable(self) -> None:
+        """Acks the batches of a save that has finished, without waiting for one."""
+        if self.covered and not self.ckpt.saving():
+            self.ckpt.wait()
+            self.ack(self.covered)
+            self.covered = []
+
+    def finish(self) -> None:
+        self.ckpt.wait()
+        self.ack(self.covered)
+        self.covered = []
 
 
-def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dict:
-    from pipelinerl_jax.losses import flatten_metrics, loss_from_config
-    from pipelinerl_jax.models import from_pretrained, save_pretrained
-    from pipelinerl_jax.rollout.factory import weights_dir
-    from pipelinerl_jax.transport.versioned_dir import gc_versions, write_versioned_dir
-    from pipelinerl_jax.tasks import get_task
-    from pipelinerl_jax.tokenizers import get_tokenizer
-    from pipelinerl_jax.transport import (RolloutQueueClient, WeightPublisher, client_kwargs,
-                                          publisher_kwargs, queue_address, weights_address)
-    from pipelinerl_jax.transport.queue_client import QueueUnavailable
+def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
+                weight_sink, evaluate: Optional[Callable[[dict, int], dict]] = None) -> dict:
+    """Trains `learner.total_steps` steps from `init_checkpoint` (or the workdir's latest
+    checkpoint); returns the final step, version and last evaluation.
 
+    `weight_sink`: a `transport.weight_sink.WeightSink` every version goes out through (the
+    caller closes it). `evaluate(params_flat, version) -> metrics`, or None: held-out
+    evaluation every `learner.eval_every` steps, at step 0 and at the end.
+    """
     L = cfg.learner
-    tok, task = get_tokenizer(cfg.tokenizer), get_task(cfg.task)
+    tok = get_tokenizer(cfg.tokenizer)
 
     # ------------------------------------------------------------------ mesh, model, step
     mesh = sharding_lib.make_mesh(tuple(cfg.mesh.shape))
     model = from_pretrained(init_checkpoint, dtype=cfg.model.dtype,
                             param_dtype=cfg.model.param_dtype, mesh=mesh)
-    graphdef = nnx.graphdef(model)
     optimizer, schedule = ts.make_optimizer(L.optimizer)
     state = ts.init_state(model, optimizer, mesh)
-    step_fn = ts.make_train_step(
-        graphdef, optimizer, loss_from_config(cfg.loss), mesh=mesh,
-        state_sharding=ts.state_shardings(state), temperature=cfg.sampling.temperature or 1.0,
-        minibatches=L.minibatches, micro_batches=L.micro_batches,
-        use_proximal=uses_proximal(cfg), token_weighted=cfg.loss.agg == "token_mean")
+    step_fn = make_step(cfg, model, optimizer, mesh, state)
     pack_kw = dict(num_seqs=L.batch_groups * cfg.rollout.group_size,
                    chunks=L.minibatches * L.micro_batches, pack_len=cfg.engine.max_seq_len,
                    completion_len=cfg.sampling.max_new_tokens,
@@ -179,77 +197,41 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         t_offset = meta.get("wall_time_s", 0.0)
         log.info("resumed from step %d (version %d)", step, version)
     trained_set = set(trained)
+    injector = LagInjector(cfg.lag_injection, history) if cfg.lag_injection.enabled else None
 
     # ------------------------------------------------------------------ transport
     client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
     client.wait_ready(60.0)
-    publisher = WeightPublisher(weights_address(cfg.transport), **publisher_kwargs(cfg.transport))
+    acks = BatchAcks(client, ckpt)
 
-    inj = cfg.lag_injection
-    history = dict(history)  # lag injection: recent versions' params (host pure dicts)
-
-    def publish(version: int):
+    def publish(version: int) -> Dict[str, np.ndarray]:
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
-        it may reach the queue the moment an engine has it)."""
+        it may reach the queue the moment an engine has it). Returns the current params."""
         flat = flat_host_params(state.params)
         try:
             client.set_version(version)
         except QueueUnavailable as e:  # restarting: the next get_batch announces it
             log.warning("could not announce version %d to the queue: %s", version, e)
-        if inj.enabled:  # ship version - k's weights, tagged with their policy version
-            history[version] = jax.device_get(state.params)
-            for v in [v for v in history if v < version - inj.max_k]:
-                del history[v]
-            policy_version = version - injected_lag(inj, version)
-            payload = {} if cfg.sampler.kind == "sglang" else flat_host_params(
-                history[policy_version])
-            payload["__policy_version__"] = np.asarray(policy_version, np.int64)
-            publisher.publish(version, payload)
-        elif cfg.sampler.kind == "sglang":  # HF directory on disk + a notification
-            root = weights_dir(cfg, workdir)
-            nnx.update(model, jax.device_get(state.params))
-            write_versioned_dir(root, version, lambda d: save_pretrained(model, d),
-                                overwrite=True)
-            gc_versions(root, cfg.sampler.keep_weight_versions)
-            publisher.publish(version, {})
-        else:
-            publisher.publish(version, flat)
+        if injector is None:
+            weight_sink.publish(version, flat)
+        else:  # version - k's params, with their policy version in the header
+            policy_version, params = injector.ship(version, state.params)
+            weight_sink.publish(version, flat_host_params(params), policy_version)
         return flat
 
     params_flat = publish(version)
-
-    evaluator = Evaluator(cfg, model, task, tok) if L.eval_every > 0 else None
     writer = MetricsWriter(workdir)
     t0 = time.time() - t_offset
-    unacked: List[str] = []  # trained, not yet covered by a durable checkpoint
-    covered: List[str] = []  # covered by the checkpoint being saved
-    consecutive_skips, last = 0, {}
-    queue_errors = 0
+
+    def checkpoint() -> None:
+        acks.checkpoint(step, state, {"version": version, "trained_batch_ids": trained[-10000:],
+                                      "wall_time_s": time.time() - t0},
+                        history=None if injector is None else injector.history)
+
+    consecutive_skips, last, queue_errors = 0, {}, 0
     batch_log = os.path.join(workdir, "batches.jsonl")
-    unacked_ids: List[str] = []  # committed, but the ack did not reach the queue yet
-
-    def ack(batch_ids):
-        nonlocal unacked_ids
-        todo = unacked_ids + list(batch_ids)
-        if not todo:
-            return
-        try:
-            client.ack(todo)
-            unacked_ids = []
-        except QueueUnavailable as e:  # retried with the next checkpoint's acks
-            log.warning("ack of %d batches failed: %s", len(todo), e)
-            unacked_ids = todo
-
-    def checkpoint():
-        nonlocal unacked, covered
-        ckpt.wait()  # the previous save is durable: its batches may be forgotten
-        ack(covered)
-        ckpt.save(step, state, {"version": version, "trained_batch_ids": trained[-10000:],
-                                "wall_time_s": time.time() - t0}, history=history)
-        covered, unacked = unacked, []
-
-    if evaluator is not None and step == 0:
-        last = evaluator(params_flat, version)
+    if evaluate is not None and step == 0:
+        last = evaluate(params_flat, version)
         writer.write(0, {"version": version, "wall_time_s": time.time() - t0, **last})
 
     # ------------------------------------------------------------------ loop
@@ -269,7 +251,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         if batch.batch_id in trained_set:  # committed before a crash: never train twice
             append_jsonl(batch_log, [batch_record(batch, rollouts, "skipped_committed", step,
                                                   version)])
-            ack([batch.batch_id])
+            acks.ack([batch.batch_id])
             continue
         packed = batching.pack(rollouts, version, **pack_kw)
         t_step = time.time()
@@ -285,7 +267,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
         version += 1
         trained.append(batch.batch_id)
         trained_set.add(batch.batch_id)
-        unacked.append(batch.batch_id)
+        acks.unacked.append(batch.batch_id)
         t_sync = time.time()
         params_flat = publish(version)
         sync_s = time.time() - t_sync
@@ -299,16 +281,14 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
                   "queue/unavailable_errors": queue_errors}
         record.update(batch_metrics(rollouts, packed, version - 1))
         record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
-        if evaluator is not None and (step % L.eval_every == 0 or step == L.total_steps):
-            last = evaluator(params_flat, version)
+        if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
+            last = evaluate(params_flat, version)
             record.update(last)
         writer.write(step, record)
         if step % L.checkpoint_every == 0 or step == L.total_steps:
             checkpoint()
-        elif covered and not ckpt.saving():  # that save is durable: let the queue forget
-            ckpt.wait()
-            ack(covered)
-            covered = []
+        else:  # the previous save is durable: let the queue forget its batches
+            acks.ack_durable()
         if consecutive_skips >= L.max_consecutive_skips:
             checkpoint()
             ckpt.wait()
@@ -318,15 +298,11 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None) -> dic
                 f"{step} with a checkpoint of the last good state in {ckpt.directory}")
 
     # ------------------------------------------------------------------ end
-    if unacked:
+    if acks.unacked:
         checkpoint()
-    ckpt.wait()
-    ack(covered)
+    acks.finish()
     ckpt.close()
     writer.close()
-    if evaluator is not None:
-        evaluator.close()
     append_jsonl(os.path.join(workdir, "learner_done.jsonl"), [{"step": step, "version": version}])
-    publisher.stop()
     client.close()
     return {"step": step, "version": version, **last}

@@ -14,12 +14,14 @@ from pipelinerl_jax.losses.config import loss_config, loss_from_config, validate
 from pipelinerl_jax.losses.core import AGGREGATIONS, KL_ESTIMATORS, MAX_LOG_RATIO, LossInputs
 from pipelinerl_jax.losses.diagnostics import (LAG_BUCKETS, TOKEN_METRICS, flatten_metrics,
                                                off_policy_diagnostics)
-from pipelinerl_jax.losses.registry import LOSSES, get_loss, hparams_of, resolve_hparams
+from pipelinerl_jax.losses.registry import (LOSSES, get_loss, hparams_of, needs_proximal,
+                                            resolve_hparams)
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "KL_ESTIMATORS", "LAG_BUCKETS", "LOSSES", "MAX_LOG_RATIO",
     "TOKEN_METRICS", "GroupAdvantages", "LossInputs", "advantage_config",
     "advantages_from_config", "baseline_advantages", "compute_advantages", "flatten_metrics",
-    "get_loss", "hparams_of", "loss_config", "loss_from_config", "off_policy_diagnostics",
-    "resolve_hparams", "validate_advantage_config", "validate_loss_config",
+    "get_loss", "hparams_of", "loss_config", "loss_from_config", "needs_proximal",
+    "off_policy_diagnostics", "resolve_hparams", "validate_advantage_config",
+    "validate_loss_config",
 ]

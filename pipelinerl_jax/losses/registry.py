@@ -4,6 +4,10 @@ Every loss takes `agg` and `max_tokens` (except `gspo`, which is always a mean o
 the KL penalty `kl_coef` / `kl_estimator`. Construction validates everything and fails with a
 `ConfigError` keyed `loss.<hparam>` (or `loss.name`) that lists what is valid; the returned
 function is pure and jittable: `loss_fn(LossInputs) -> (loss, metrics)`.
+
+A loss also declares what it needs from the learner: `LossSpec.proximal` (its `logp_old` is
+the proximal policy when one is given), so `learner.recompute_proximal='auto'` reads it here.
+Adding a loss is one `LOSSES` entry; the ablation configs list the registry's losses.
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ class LossSpec:
     fn: Callable  # (Prepared, **hparams) -> policy.Terms
     hparams: dict
     aggregated: bool = True  # takes `agg` / `max_tokens`
+    proximal: bool = False  # `logp_old` is `logp_proximal` when given (decoupled objectives)
 
 
 _EPS_LOW = HParam(0.2, float, _number(0, 1, hi_open=True))
@@ -70,17 +75,19 @@ LOSSES = {
         "level": HParam("token", str, _choice(("token", "sequence")))}),
     "decoupled_ppo": LossSpec(policy.decoupled_ppo, {
         "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
-        "behave_cap": HParam(None, float, _number(0, lo_open=True, optional=True))}),
+        "behave_cap": HParam(None, float, _number(0, lo_open=True, optional=True))},
+        proximal=True),
     "icepop": LossSpec(policy.icepop, {
         "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
         # The band must contain 1: an on-policy token (w = 1) is never masked.
         "band_low": HParam(0.5, float, _number(0, 1)),
-        "band_high": HParam(5.0, float, _number(1))}),
+        "band_high": HParam(5.0, float, _number(1))}, proximal=True),
     "staleness_clip": LossSpec(policy.staleness_clip, {
         "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
         "schedule": HParam("inverse", str, _choice(("inverse", "exp", "constant"))),
         "alpha": HParam(0.5, float, _number(0)),
-        "max_lag": HParam(None, int, _number(0, optional=True, integer=True))}),
+        "max_lag": HParam(None, int, _number(0, optional=True, integer=True))},
+        proximal=True),
     "cispo": LossSpec(policy.cispo, {
         "eps_low": HParam(None, float, _number(0, 1, hi_open=True, optional=True)),
         "eps_high": HParam(5.0, float, _number(0))}),
@@ -106,6 +113,13 @@ def hparams_of(name: str) -> dict:
         raise ConfigError("loss.name", f"unknown loss {name!r}; valid: {sorted(LOSSES)}")
     spec = LOSSES[name]
     return {**spec.hparams, **(AGG_HPARAMS if spec.aggregated else {}), **KL_HPARAMS}
+
+
+def needs_proximal(name: str) -> bool:
+    """Whether loss `name` uses the proximal policy (its `logp_old`) when one is given."""
+    if name not in LOSSES:
+        raise ConfigError("loss.name", f"unknown loss {name!r}; valid: {sorted(LOSSES)}")
+    return LOSSES[name].proximal
 
 
 def resolve_hparams(name: str, **hparams) -> dict:
@@ -152,7 +166,8 @@ def get_loss(name: str, *, diagnostics: bool = True,
     `kl_ref` (when logp_ref is given), the loss's own metrics and, unless `diagnostics=False`
     (e.g. for all but one micro-batch of an accumulated step), every off-policy diagnostic of
     `diagnostics.compute` (per-lag-bucket ones as `lag/<name>` float32[6] vectors; see
-    `diagnostics.flatten_metrics`). `loss_fn.name` / `loss_fn.hparams` record what was built.
+    `diagnostics.flatten_metrics`). `loss_fn.name` / `loss_fn.hparams` (resolved: defaults
+    filled in) / `loss_fn.needs_proximal` record what was built, for the learner to read.
     """
     hp = resolve_hparams(name, **hparams)
     spec = LOSSES[name]
@@ -190,4 +205,5 @@ def get_loss(name: str, *, diagnostics: bool = True,
 
     loss_fn.name = name
     loss_fn.hparams = dict(hp)
+    loss_fn.needs_proximal = spec.proximal
     return loss_fn

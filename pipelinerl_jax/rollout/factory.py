@@ -8,13 +8,9 @@ The worker and learner never depend on which one they have.
 """
 from __future__ import annotations
 
-import os
+from pipelinerl_jax.transport.weight_sink import weights_dir  # noqa: F401 (re-export)
 
 SAMPLER_KINDS = ("jax", "sglang")
-
-
-def weights_dir(cfg, workdir: str) -> str:
-    return cfg.sampler.weights_dir or os.path.join(workdir, "weights")
 
 
 def make_engine(cfg, init_checkpoint: str, index: int, workdir: str):

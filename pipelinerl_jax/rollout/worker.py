@@ -30,11 +30,10 @@ likewise (`counts['groups_rejected']`). Group ids carry a per-process nonce (asy
 restarted worker never reuses the id of a group its predecessor put (the queue would refuse
 it as a duplicate). Each of these is also a line of `workdir/events.jsonl`.
 
-Lag injection (ablations at exact staleness): in lock-step, batch L is sampled with the
-weights of version `L - k_L` (k_L fixed or drawn from a seeded distribution). The learner
-keeps the recent versions (in memory and in its checkpoints) and ships, as weight-stream
-version L, the weights of policy version `L - k_L` (tagged `__policy_version__`); every token
-then has lag exactly k_L, independent of timing and across restarts.
+Lag injection (ablations at exact staleness, `pipelinerl_jax.lag_injection`): in lock-step,
+batch L is sampled with the weights the learner ships as weight-stream version L, which are
+policy version `L - k_L` (the weight header says which); every token then has lag exactly k_L,
+independent of timing and across restarts.
 """
 from __future__ import annotations
 
@@ -50,6 +49,8 @@ import numpy as np
 
 from pipelinerl_jax.metrics import append_jsonl
 from pipelinerl_jax.rollout.engine import RequestError
+from pipelinerl_jax.transport.versioned_dir import version_dir
+from pipelinerl_jax.transport.weight_sink import weights_dir
 from pipelinerl_jax.types import Completion, GenerationRequest, Rollout, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,19 +59,6 @@ log = logging.getLogger(__name__)
 ENGINE_FAULT_KEYS = ("retries", "rerouted_requests", "request_errors",
                      "server_aborted_segments", "resubmitted_samples",
                      "dropped_aborted_samples", "failed_samples", "servers_up", "refit_failures")
-
-
-def injected_lag(cfg_inj, step: int) -> int:
-    """The lag prescribed for learner step `step` (deterministic in (seed, step))."""
-    if cfg_inj.kind == "fixed":
-        k = cfg_inj.k
-    else:
-        rng = np.random.default_rng([cfg_inj.seed, step])
-        if cfg_inj.kind == "uniform":
-            k = int(rng.integers(0, cfg_inj.max_k + 1))
-        else:  # geometric with mean k, truncated at max_k
-            k = min(int(rng.geometric(1.0 / (cfg_inj.k + 1.0))) - 1, cfg_inj.max_k)
-    return int(min(k, step))
 
 
 class RolloutWorker:
@@ -194,26 +182,22 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ weights
 
-    def on_weights(self, version: int, params) -> None:
-        """Weight-subscriber callback (subscriber thread).
+    def on_weights(self, version: int, params, policy_version: Optional[int] = None) -> None:
+        """Weight-subscriber callback (subscriber thread): stream version `version` holds
+        the weights of `policy_version` (the same but under lag injection).
 
         An empty `params` is a notification that version `version` was written as an HF
-        checkpoint directory (`sampler.kind='sglang'`); the engine loads it from there.
+        checkpoint directory (`transport.weight_sink.HFDirSink`); the engine loads it there.
         """
         if self.workdir:
             append_jsonl(os.path.join(self.workdir, f"weights_received.w{self.index}.jsonl"),
                          [{"time_s": time.time(), "version": int(version)}])
-        from pipelinerl_jax.rollout.factory import weights_dir
-        from pipelinerl_jax.transport.versioned_dir import version_dir
         if not params:
             params = version_dir(weights_dir(self.cfg, self.workdir or "."), version)
         if self.cfg.lag_injection.enabled:
-            params = dict(params)
-            policy_version = int(params.pop("__policy_version__"))
-            if not params:
-                params = version_dir(weights_dir(self.cfg, self.workdir or "."), policy_version)
-            else:  # the subscriber reuses its buffers: keep a copy until it is installed
-                params = {k: np.array(v) for k, v in params.items()}
+            policy_version = version if policy_version is None else int(policy_version)
+            if not isinstance(params, str):  # the subscriber reuses its buffers: keep a
+                params = {k: np.array(v) for k, v in params.items()}  # copy until installed
             with self._lock:
                 self._injected_weights = (version, policy_version, params)
             return

@@ -9,7 +9,11 @@ stream `WeightSync.Subscribe` as
 Tensors are laid out in one payload at 64-byte-aligned offsets, so the subscriber copies each
 chunk straight into one preallocated buffer and hands out views of it: no per-tensor copies.
 
-Guarantees to the subscriber's `on_weights(version, params)` callback:
+The header may also carry a `policy_version`: which policy the weights are when that is not
+`version` itself (lag injection ships an older policy's weights as a new stream version).
+
+Guarantees to the subscriber's `on_weights(version, params, policy_version)` callback
+(`policy_version` is the header's, or `version` when the publisher gave none):
 - called only for a version whose every chunk arrived, in order, with matching crc32, version
   and sizes; a partial, corrupt or interleaved version is discarded, never applied;
 - versions are increasing per publisher instance; a subscriber that fell behind (or connects
@@ -83,11 +87,12 @@ class _Version:
     ahead of the streams on a background thread (zlib releases the GIL), and shared."""
 
     def __init__(self, version: int, publisher_id: str, params: Mapping[str, np.ndarray],
-                 chunk_bytes: int, crc_pool: Optional[futures.Executor]):
+                 chunk_bytes: int, crc_pool: Optional[futures.Executor],
+                 policy_version: Optional[int] = None):
         if sys.byteorder != "little":
             raise NotImplementedError("weight sync assumes a little-endian host")
         header = pb.WeightHeader(version=version, publisher_id=publisher_id,
-                                 has_crc32=crc_pool is not None)
+                                 has_crc32=crc_pool is not None, policy_version=policy_version)
         self.segments, offset = [], 0  # (payload offset, uint8 view of the tensor)
         for name, value in params.items():
             arr = np.asarray(value)
@@ -190,19 +195,24 @@ class WeightPublisher:
         with self._cv:
             return -1 if self._latest is None else self._latest.version
 
-    def publish(self, version: int, params: Mapping[str, np.ndarray]) -> None:
-        """Makes `params` the newest version. Versions must increase.
+    def publish(self, version: int, params: Mapping[str, np.ndarray],
+                policy_version: Optional[int] = None) -> None:
+        """Makes `params` the newest version. Versions must increase. `policy_version`: the
+        policy these weights are, when not `version` (subscribers get `version` otherwise).
 
         Zero-copy: the arrays are read while streams send them, so they must not be modified
         after this call (`jax.device_get` returns fresh arrays, so the usual call is safe).
         """
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
+        if policy_version is not None and not 0 <= policy_version <= version:
+            raise ValueError(f"policy_version must be in [0, {version}], got {policy_version}")
         latest = self.latest_version
         if version <= latest:
             raise ValueError(f"version {version} is not newer than published {latest}")
         frames = _Version(int(version), self.publisher_id, params, self.chunk_bytes,
-                          self._crc_pool)
+                          self._crc_pool,
+                          None if policy_version is None else int(policy_version))
         with self._cv:
             if self._latest is not None and version <= self._latest.version:
                 raise ValueError(f"version {version} raced with {self._latest.version}")
@@ -390,12 +400,14 @@ class _Assembler:
 
 
 class WeightSubscriber:
-    """Background thread that applies each complete version via `on_weights(version, params)`.
+    """Background thread that applies each complete version via
+    `on_weights(version, params, policy_version)` (module docstring: the guarantees).
 
-    `params` arrays are views of one fresh buffer per version; the callback may keep them.
+    `params` arrays are views of a recycled version buffer: the callback may keep them (a
+    buffer is reused only once no view of it is alive).
     """
 
-    def __init__(self, address: str, on_weights: Callable[[int, dict], None],
+    def __init__(self, address: str, on_weights: Callable[[int, dict, int], None],
                  token: Optional[str] = None, tls: Optional[TLSConfig] = None, *,
                  max_message_bytes: int = DEFAULT_CHUNK_BYTES + (1 << 20),
                  max_version_bytes: int = 1 << 40, retry: RetryPolicy = RetryPolicy(),
@@ -484,8 +496,9 @@ class WeightSubscriber:
         if not newer:  # a publisher never sends this; defend the monotonic contract anyway
             self.versions_discarded += 1
             return
+        policy = header.policy_version if header.HasField("policy_version") else header.version
         try:
-            self._on_weights(header.version, params)
+            self._on_weights(header.version, params, policy)
         except Exception as e:  # a failing callback must not kill the subscription
             self.last_error = f"on_weights({header.version}) raised {e!r}"
             log.exception("weight subscriber %s: on_weights failed", self.subscriber_id)

@@ -8,7 +8,7 @@ from ml_collections import config_flags
 
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.losses import (LOSSES, advantage_config, get_loss, hparams_of, loss_config,
-                                   loss_from_config, validate_loss_config)
+                                   loss_from_config, needs_proximal, validate_loss_config)
 
 
 def test_unknown_loss_lists_the_valid_ones():
@@ -83,6 +83,25 @@ def test_config_section_builds_every_loss_with_its_defaults():
             assert key in cfg, key
         cfg.name = name
         assert loss_from_config(cfg).hparams == get_loss(name).hparams
+
+
+def test_a_loss_declares_whether_it_uses_the_proximal_policy():
+    # Decoupled objectives (DESIGN.md): their logp_old is logp_proximal when one is given.
+    declared = {name for name in LOSSES if needs_proximal(name)}
+    assert declared == {"decoupled_ppo", "icepop", "staleness_clip"}
+    for name in LOSSES:
+        assert get_loss(name).needs_proximal is needs_proximal(name)
+    with pytest.raises(ConfigError, match="^loss.name: unknown loss 'tiss'"):
+        needs_proximal("tiss")
+
+
+def test_the_staleness_ablation_runs_every_registered_loss_in_registry_order():
+    from configs.ablate import staleness
+    c = staleness.get_config()
+    assert tuple(c.axes.loss.order) == tuple(LOSSES) == (
+        "reinforce", "ppo", "tis", "decoupled_ppo", "icepop", "staleness_clip", "cispo",
+        "gspo", "m2po")
+    assert all(c.axes.loss.levels[n].loss.name == n for n in LOSSES)
 
 
 def test_config_hyperparameter_of_another_loss_fails_naming_it():

@@ -61,7 +61,8 @@ def test_weight_sync_from_config():
     validate_transport_config(cfg, "transport")
     got = []
     with WeightPublisher(f"{cfg.host}:{cfg.weights_port}", **publisher_kwargs(cfg)) as pub:
-        sub = WeightSubscriber(pub.address, lambda v, p: got.append(v), **subscriber_kwargs(cfg))
+        sub = WeightSubscriber(pub.address, lambda v, p, pv: got.append(v),
+                               **subscriber_kwargs(cfg))
         import numpy as np
         pub.publish(0, {"w": np.zeros(5000, np.float32)})
         assert sub.wait_for_version(0, 10)

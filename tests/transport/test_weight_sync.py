@@ -26,12 +26,14 @@ class Recorder:
 
     def __init__(self, delay_s: float = 0.0):
         self.versions, self.errors, self.delay_s = [], [], delay_s
+        self.policy_versions = []
 
-    def __call__(self, version, params):
+    def __call__(self, version, params, policy_version):
         for name, a in params.items():
             if a.size and not np.all(np.asarray(a, np.float32) == version):
                 self.errors.append(f"v{version}: {name} holds other values")
         self.versions.append(version)
+        self.policy_versions.append(policy_version)
         time.sleep(self.delay_s)
 
 
@@ -60,14 +62,34 @@ def test_round_trip_keeps_names_dtypes_shapes_and_values():
               "c": np.array(3.5, np.float32), "d": np.zeros((0,), np.float32),
               "e/ids": np.arange(1001, dtype=np.int32)}
     with WeightPublisher(chunk_bytes=1024) as pub:
-        sub = WeightSubscriber(pub.address, lambda v, p: got.update(v=v, p=p), retry=FAST)
+        sub = WeightSubscriber(pub.address, lambda v, p, pv: got.update(v=v, p=p, pv=pv),
+                               retry=FAST)
         pub.publish(7, params)
         assert sub.wait_for_version(7, 10)
         sub.close()
-    assert got["v"] == 7 and set(got["p"]) == set(params)
+    assert got["v"] == 7 and got["pv"] == 7 and set(got["p"]) == set(params)
     for k, a in params.items():
         b = got["p"][k]
         assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b), k
+
+
+def test_policy_version_travels_in_the_header_not_the_tensors():
+    rec = Recorder()
+    with WeightPublisher() as pub:
+        sub = WeightSubscriber(pub.address, rec, retry=FAST)
+        pub.publish(1, _params(1))
+        assert sub.wait_for_version(1, 10)
+        pub.publish(5, _params(5), policy_version=3)  # lag injection: v3's policy as v5
+        assert sub.wait_for_version(5, 10)
+        pub.publish(6, _params(6), policy_version=0)  # 0 is a version, not "absent"
+        assert sub.wait_for_version(6, 10)
+        sub.close()
+        for bad in (8, -1):  # a policy newer than the version, or negative
+            with pytest.raises(ValueError, match="policy_version"):
+                pub.publish(7, _params(7), policy_version=bad)
+    assert not rec.errors and rec.versions == [1, 5, 6] and rec.policy_versions == [1, 3, 0]
+    header = pb.WeightHeader(version=2)
+    assert not header.HasField("policy_version")  # absent on the wire unless given
 
 
 def test_rapid_publishing_never_applies_partial_or_mixed_versions():
@@ -209,7 +231,7 @@ def test_buffers_are_recycled_only_when_no_array_is_alive():
 def test_callback_errors_do_not_kill_the_subscription():
     calls = []
 
-    def flaky(version, params):
+    def flaky(version, params, policy_version):
         calls.append(version)
         if version == 1:
             raise RuntimeError("engine busy")

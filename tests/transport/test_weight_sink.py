@@ -1,0 +1,121 @@
+"""Weight sinks: what the learner's `publish` delivers, over the stream or as HF directories."""
+import os
+
+import numpy as np
+import pytest
+
+from pipelinerl_jax import sharding
+from pipelinerl_jax.models import flat_params, from_pretrained, save_pretrained, tiny_config
+from pipelinerl_jax.run_config import base_config
+from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.versioned_dir import list_versions, version_dir
+from pipelinerl_jax.transport.weight_sink import (HFDirSink, StreamSink, hf_checkpoint_writer,
+                                                  make_weight_sink, weights_dir)
+from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+
+FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
+MODEL = tiny_config(vocab_size=40, hidden_size=32, intermediate_size=64, num_heads=2,
+                    num_kv_heads=1, head_dim=16)
+
+
+class Received:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, version, params, policy_version):
+        self.calls.append((version, {k: np.array(v) for k, v in params.items()},
+                           policy_version))
+
+
+def _files(directory):
+    return {name: open(os.path.join(directory, name), "rb").read()
+            for name in sorted(os.listdir(directory))}
+
+
+def test_stream_sink_ships_the_arrays_and_the_policy_version(tmp_path):
+    got = Received()
+    sink = make_weight_sink("stream", base_config(), str(tmp_path), publisher=WeightPublisher())
+    assert isinstance(sink, StreamSink)
+    sub = WeightSubscriber(sink.publisher.address, got, retry=FAST)
+    try:
+        sink.publish(0, {"w": np.zeros(3, np.float32)})
+        assert sub.wait_for_version(0, 10)
+        sink.publish(4, {"w": np.full(3, 2.0, np.float32)}, policy_version=2)
+        assert sub.wait_for_version(4, 10)
+    finally:
+        sub.close()
+        sink.close()
+    assert [(v, pv) for v, _, pv in got.calls] == [(0, 0), (4, 2)]
+    np.testing.assert_array_equal(got.calls[1][1]["w"], np.full(3, 2.0, np.float32))
+    assert not os.path.exists(weights_dir(base_config(), str(tmp_path)))  # nothing on disk
+
+
+def test_hf_dir_sink_writes_what_save_pretrained_writes_and_announces_it(tmp_path):
+    init = str(tmp_path / "init")
+    save_pretrained(sharding.create_model(MODEL, seed=0), init)
+    cfg = base_config()
+    cfg.sampler.keep_weight_versions = 2
+    got = Received()
+    sink = make_weight_sink("hf_dir", cfg, str(tmp_path), publisher=WeightPublisher(),
+                            init_checkpoint=init)
+    assert isinstance(sink, HFDirSink) and sink.root == str(tmp_path / "weights")
+    sub = WeightSubscriber(sink.publisher.address, got, retry=FAST)
+    models = [sharding.create_model(MODEL, seed=s) for s in (1, 2, 3)]
+    try:
+        for version, model in enumerate(models):
+            sink.publish(version, flat_params(model), policy_version=max(0, version - 1))
+            assert sub.wait_for_version(version, 10)
+    finally:
+        sub.close()
+        sink.close()
+    # notifications only: no tensors on the stream, the policy version in the header
+    assert [(v, p, pv) for v, p, pv in got.calls] == [(0, {}, 0), (1, {}, 0), (2, {}, 1)]
+    assert list_versions(sink.root) == [1, 2]  # keep_weight_versions
+    # The directory is byte for byte what save_pretrained of the learner's model writes.
+    ref = str(tmp_path / "ref")
+    save_pretrained(models[2], ref)
+    assert _files(version_dir(sink.root, 2)) == _files(ref)
+    loaded = flat_params(from_pretrained(version_dir(sink.root, 2)))
+    for name, value in flat_params(models[2]).items():
+        np.testing.assert_array_equal(loaded[name], value)
+
+
+def test_hf_dir_sink_refuses_weights_of_another_model(tmp_path):
+    init = str(tmp_path / "init")
+    save_pretrained(sharding.create_model(MODEL, seed=0), init)
+    sink = HFDirSink(str(tmp_path / "w"), WeightPublisher(), hf_checkpoint_writer(init))
+    try:
+        params = flat_params(sharding.create_model(MODEL, seed=1))
+        params["extra/kernel"] = np.zeros(2, np.float32)
+        with pytest.raises(KeyError, match="extra/kernel"):
+            sink.publish(0, params)
+        assert list_versions(sink.root) == []  # nothing half-written appears
+    finally:
+        sink.close()
+
+
+def test_make_weight_sink_checks_its_arguments(tmp_path):
+    cfg = base_config()
+    with pytest.raises(ValueError, match="unknown 'sglang'"):
+        make_weight_sink("sglang", cfg, str(tmp_path))
+    with pytest.raises(ValueError, match="init_checkpoint"):
+        make_weight_sink("hf_dir", cfg, str(tmp_path))
+    cfg.sampler.weights_dir = str(tmp_path / "elsewhere")
+    assert weights_dir(cfg, str(tmp_path)) == str(tmp_path / "elsewhere")
+
+
+def test_hf_dir_sink_saves_through_a_given_callable(tmp_path):
+    saved = []
+
+    def save_model(params, directory):
+        saved.append(sorted(params))
+        with open(os.path.join(directory, "marker"), "w") as f:
+            f.write("x")
+
+    sink = make_weight_sink("hf_dir", base_config(), str(tmp_path),
+                            publisher=WeightPublisher(), save_model=save_model)
+    try:
+        sink.publish(3, {"a": np.zeros(1, np.float32)})
+    finally:
+        sink.close()
+    assert saved == [["a"]] and os.path.isfile(os.path.join(version_dir(sink.root, 3), "marker"))
