@@ -1,10 +1,11 @@
 """The experiment config: every section in one `ConfigDict`, validated in one place.
 
-`base_config()` assembles the sections each package owns (model, tokenizer, task, engine,
-loss, transport, ...) plus the pipeline's own (mode, max_lag, learner, rollout, resources,
-lag_injection); `configs/*.py` start from it. `validate(config)` runs before any process
-starts and raises one `ConfigError` naming the offending key. Config files are Python
-(ml_collections convention) and therefore trusted code: never load one you did not write.
+`base_config()` assembles the sections each package owns (model, tokenizer, task, one per
+engine backend of `rollout/factory.BACKENDS`, loss, transport, ...) plus the pipeline's own
+(mode, max_lag, learner, rollout, resources, lag_injection); `configs/*.py` start from it.
+`validate(config)` runs before any process starts and raises one `ConfigError` naming the
+offending key. Config files are Python (ml_collections convention) and therefore trusted
+code: never load one you did not write.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def optimizer_config(**kw) -> ml_collections.ConfigDict:
 def base_config() -> ml_collections.ConfigDict:
     from pipelinerl_jax.losses import advantage_config, loss_config
     from pipelinerl_jax.models.factory import model_config
-    from pipelinerl_jax.rollout.jax_engine import engine_config
+    from pipelinerl_jax.rollout.factory import BACKENDS
     from pipelinerl_jax.tasks import task_config
     from pipelinerl_jax.tokenizers import tokenizer_config
     from pipelinerl_jax.transport import transport_config
@@ -43,15 +44,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.tokenizer = tokenizer_config()
     c.task = task_config()
     c.sampler = ml_collections.ConfigDict(dict(
-        kind="jax",  # 'jax' (embedded JaxEngine) | 'sglang' (SGLang servers over HTTP)
+        kind="jax",  # a row of rollout/factory.BACKENDS: 'jax' (embedded) | 'sglang' (HTTP)
         weights_dir="",  # where versions are written for 'sglang'; "" = WORKDIR/weights
         keep_weight_versions=3,
     ))
-    c.engine = engine_config()
-    # --- sglang (owner: rollout/sglang_engine.py): servers used when sampler.kind='sglang'
-    from pipelinerl_jax.rollout.sglang_engine import sglang_config
-    c.sglang = sglang_config()
-    # --- end sglang
+    for b in BACKENDS.values():  # 'engine' (JaxEngine), 'sglang' (servers), ...
+        c[b.section] = b.config()
     c.sampling = ml_collections.ConfigDict(dict(
         max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=0))
     c.rollout = ml_collections.ConfigDict(dict(
@@ -119,7 +117,7 @@ def validate(cfg) -> None:
     """Checks the whole experiment config; raises `ConfigError` naming the first bad key."""
     from pipelinerl_jax.losses import validate_advantage_config, validate_loss_config
     from pipelinerl_jax.models.factory import validate_model_config
-    from pipelinerl_jax.rollout.jax_engine import validate_engine_config
+    from pipelinerl_jax.rollout.factory import BACKENDS
     from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
     from pipelinerl_jax.transport import validate_transport_config
@@ -132,17 +130,13 @@ def validate(cfg) -> None:
     validate_model_config(cfg.model, "model")
     tok = get_tokenizer(cfg.tokenizer)
     task = get_task(cfg.task)
-    validate_engine_config(cfg.engine, "engine")
-    from pipelinerl_jax.rollout.factory import SAMPLER_KINDS
-    if cfg.sampler.kind not in SAMPLER_KINDS:
-        raise ConfigError("sampler.kind", f"must be one of {SAMPLER_KINDS}, "
+    if cfg.sampler.kind not in BACKENDS:
+        raise ConfigError("sampler.kind", f"must be one of {tuple(BACKENDS)}, "
                                           f"got {cfg.sampler.kind!r}")
     _int(cfg, "sampler.keep_weight_versions", 1)
-    # --- sglang (owner: rollout/sglang_engine.py)
-    from pipelinerl_jax.rollout.sglang_engine import validate_sglang_config
-    validate_sglang_config(cfg.sglang, "sglang", required=cfg.sampler.kind == "sglang",
-                           num_workers=_int(cfg, "rollout.num_workers", 1))
-    # --- end sglang
+    _int(cfg, "rollout.num_workers", 1)
+    for kind, b in BACKENDS.items():  # every section, so a switch of kind finds no surprise
+        b.validate(cfg, selected=kind == cfg.sampler.kind)
     validate_loss_config(cfg.loss)
     validate_advantage_config(cfg.rollout.advantage, cfg.sampling.max_new_tokens)
     validate_transport_config(cfg.transport, "transport")

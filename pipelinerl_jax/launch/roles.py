@@ -93,9 +93,9 @@ def _run_role(role: str, workdir: str, index: int) -> int:
         from pipelinerl_jax.learner.loop import run_learner
         from pipelinerl_jax.rollout.evaluator import learner_evaluator
         from pipelinerl_jax.transport.weight_sink import make_weight_sink
-        # TODO(backend table): the sampler kind's table entry names its sink
-        sink = make_weight_sink("hf_dir" if cfg.sampler.kind == "sglang" else "stream", cfg,
-                                workdir, init_checkpoint=init_ckpt)
+        from pipelinerl_jax.rollout.factory import backend
+        sink = make_weight_sink(backend(cfg.sampler.kind).weight_sink, cfg, workdir,
+                                init_checkpoint=init_ckpt)
         evaluate = learner_evaluator(cfg, init_ckpt)
         try:
             out = run_learner(cfg, workdir, init_ckpt, stop_event=stop, weight_sink=sink,

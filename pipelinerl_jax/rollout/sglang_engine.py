@@ -6,21 +6,21 @@ elsewhere. This engine is a drop-in for the embedded `JaxEngine`: the rollout wo
 `kv_version`; the learner's versions reach the servers through `update_weights`.
 
 Generation. One HTTP `POST /generate` per request (servers run with `--skip-tokenizer-init`;
-we send `input_ids` and read `output_ids`): a request with a seed is sent in SGLang's batched
-form, its `n` samples as `n` copies of the prompt, each with its own `sampling_seed` (SGLang's
-seeded sampler hashes (seed, position), so `n` copies sharing one seed would be identical);
-without a seed it uses `sampling_params.n`. Both answers are flat lists, prompt-major. Requests
-are not merged across prompts: a group is returned as soon as its own samples finish. The wire
-format (bodies, answer parsing, version spans) is in `sglang_protocol.py`.
-A pool of threads (one per request in flight) sends them; a server takes at most
-`sglang.concurrency_per_server` samples at once, and each request goes to the healthy server
-with the fewest samples in flight (least-loaded routing).
+we send `input_ids` and read `output_ids`). A request's `n` samples go in SGLang's batched
+form: `n` copies of the prompt, each with a rid of its own and, when the request has a seed,
+its own `sampling_seed` (SGLang's seeded sampler hashes (seed, position), so copies sharing
+one seed would be identical). `sampling_params.n` is never sent: SGLang gives the children of
+such a request fresh rids (`tokenizer_manager.py` `_handle_batch_request`, `regenerate_rid()`)
+and forgets the parent's, so no `/abort_request` could reach them and `abort()` / `close()`
+would leave them generating. The answer is a flat list, prompt-major. Requests are not merged
+across prompts: a group is returned as soon as its own samples finish. The wire format
+(bodies, rids, answer parsing, version spans) is in `sglang_protocol.py`. A pool of threads
+(one per request in flight) sends them, each to the least-loaded healthy server.
 
-Refit. `update_weights(path, version)` runs on all servers concurrently:
-`/pause_generation {mode}` → `/update_weights_from_disk {model_path, weight_version:
-str(version), flush_cache}` → `/continue_generation`, timed per server (`stats()['servers']`).
-Updates are coalesced: while one refit runs, only the newest pending version is applied next.
-`/update_weight_version` is never called (it aborts every request unless told not to).
+Servers (`sglang_servers.py`): least-loaded routing up to `sglang.concurrency_per_server`
+samples per server, health checks, removal and readmission, and refits: `update_weights(path,
+version)` pauses every server, loads the HF directory (`/update_weights_from_disk`) and
+continues, with the pause mode below.
 
 Provenance. `version[t]` comes from the server: recent SGLang reports per-token spans
 (`meta_info.weight_versions`, labels = our integer versions); older servers report only the
@@ -37,123 +37,47 @@ SGLang does not report KV provenance; we record what each pause mode implies:
   'abort'     running requests are aborted and resubmitted with their prefix (see below), a new
               request prefilled with the new weights: `kv_version[t] = version[t]`.
 
-Robustness. Startup waits up to `health_deadline_s` for `/health`. 502/503/504 and connection
-errors are retried with exponential backoff and jitter. A 4xx is the request's fault: it
-surfaces as `RequestError` (naming request, server and the server's message) from
-`generate()` / `get_completions()`. A sample the server aborted is resubmitted with its prefix
-(prompt + tokens so far, `max_new_tokens` reduced, provenance of the generated part kept) up to
-`max_resubmits` times (`on_abort='resubmit'`), or returned with finish reason 'abort' and
-counted (`on_abort='drop'`: the group stays whole; the reward treats it as truncated). A
-server that stays unreachable is removed from routing, its requests go to the others, and it
-is reported in `health()` / `stats()`; a monitor re-probes it and, once it answers, refits
-it to the current version before routing to it again.
+Robustness. 502/503/504 and connection errors are retried with exponential backoff and
+jitter. A 4xx is the request's fault: it surfaces as `RequestError` (naming request, server
+and the server's message) from `generate()` / `get_completions()`. A sample the server aborted
+is resubmitted with its prefix (prompt + tokens so far, `max_new_tokens` reduced, provenance
+of the generated part kept) up to `max_resubmits` times (`on_abort='resubmit'`), or returned
+with finish reason 'abort' and counted (`on_abort='drop'`: the group stays whole; the reward
+treats it as truncated). A server that stays unreachable is removed from routing and its
+requests go to the others (`sglang_servers.py`).
+
+`make_sglang_engine` builds a rollout worker's engine: the 'sglang' row of `rollout/factory.py`
+(config section: `sglang_config.py`).
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import ml_collections
 import numpy as np
 
-from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax.models.factory import resolve_model_config
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
-from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
-                                                  parse_url)
+from pipelinerl_jax.rollout.sglang_client import HTTPError, ServerClient, ServerUnavailable
+from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
 from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
                                                     answer_items, generate_body, parse_output,
                                                     version_of)
+from pipelinerl_jax.rollout.sglang_servers import Server, ServerFleet
+from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.transport import weight_sink
 from pipelinerl_jax.types import Completion, GenerationRequest
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("retract", "in_place", "abort")
-ABORT_POLICIES = ("resubmit", "drop")
 
-
-# ---------------------------------------------------------------------------- config
-
-def sglang_config() -> ml_collections.ConfigDict:
-    """Defaults of the `sglang` config section (validated by `validate_sglang_config`)."""
-    c = ml_collections.ConfigDict()
-    c.urls = ()  # 'http://host:port' of every server; split among rollout workers
-    c.concurrency_per_server = 64  # samples in flight per server (routing limit)
-    c.connect_timeout_s = 5.0
-    c.request_timeout_s = 3600.0  # one /generate call (long generations)
-    c.control_timeout_s = 600.0  # /pause_generation, /update_weights_from_disk, ...
-    c.health_deadline_s = 600.0  # wait this long for /health at startup
-    c.health_check_interval_s = 5.0  # re-probe servers that were removed
-    c.max_retries = 5  # per HTTP call, for 502/503/504, connection errors and timeouts
-    c.backoff_initial_s = 0.1  # retry k waits ~ initial * 2^k (jittered), at most backoff_max_s
-    c.backoff_max_s = 5.0
-    c.pause_mode = "retract"  # 'retract' | 'in_place' | 'abort' during a refit
-    c.on_abort = "resubmit"  # 'resubmit' (prefix kept) | 'drop' (returned as 'abort')
-    c.max_resubmits = 8  # per sample
-    c.api_key = ""  # for servers started with --api-key
-    return c
-
-
-def validate_sglang_config(cfg, prefix: str = "sglang", *, required: bool = False,
-                           num_workers: int = 1) -> None:
-    """Raises `ConfigError` naming the first bad key; `required` when sampler.kind='sglang'."""
-    k = (lambda name: f"{prefix}.{name}") if prefix else (lambda name: name)
-    root = cfg
-    for part in reversed(prefix.split(".") if prefix else []):
-        root = {part: root}
-    cfg_lib.check_keys(cfg, prefix, sglang_config().keys())
-    urls = cfg["urls"]
-    if isinstance(urls, str) or not isinstance(urls, (tuple, list)):
-        raise cfg_lib.ConfigError(k("urls"), f"must be a tuple of 'http://host:port' strings, "
-                                             f"got {urls!r}")
-    for u in urls:
-        try:
-            parse_url(u)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise cfg_lib.ConfigError(k("urls"), str(e)) from None
-    if len(set(urls)) != len(urls):
-        raise cfg_lib.ConfigError(k("urls"), f"lists a server twice: {tuple(urls)}")
-    if required and len(urls) < num_workers:
-        raise cfg_lib.ConfigError(k("urls"), f"{len(urls)} server(s) for {num_workers} rollout "
-                                             "worker(s) (sampler.kind='sglang'): each worker "
-                                             "needs at least one server of its own")
-    for name in ("concurrency_per_server", "max_resubmits"):
-        cfg_lib.positive_int(root, k(name), allow_zero=name == "max_resubmits")
-    cfg_lib.positive_int(root, k("max_retries"), allow_zero=True)
-    for name in ("connect_timeout_s", "request_timeout_s", "control_timeout_s",
-                 "health_deadline_s", "health_check_interval_s", "backoff_initial_s",
-                 "backoff_max_s"):
-        cfg_lib.number(root, k(name), lo=0.0, lo_open=True)
-    cfg_lib.one_of(root, k("pause_mode"), PAUSE_MODES)
-    cfg_lib.one_of(root, k("on_abort"), ABORT_POLICIES)
-    if not isinstance(cfg["api_key"], str):
-        raise cfg_lib.ConfigError(k("api_key"), f"must be a string, got {cfg['api_key']!r}")
-
-
-# ---------------------------------------------------------------------------- state
-
-class _Server:
-    def __init__(self, client: ServerClient, capacity: int):
-        self.client, self.url, self.capacity = client, client.url, capacity
-        self.up = False
-        self.reason: Optional[str] = "not checked yet"  # why it is out of routing
-        self.in_flight = 0  # samples
-        self.jobs: set = set()
-        self.version: Optional[int] = None  # last version installed here
-        self.refits, self.refit_s_total, self.last_refit_s = 0, 0.0, None
-        self.refit_error: Optional[str] = None  # the last failed load, until one succeeds
-        self.counts: collections.Counter = collections.Counter()
-
-
-# ---------------------------------------------------------------------------- engine
-
-class SGLangEngine(InferenceEngine):
+class SGLangEngine(ServerFleet, InferenceEngine):
     """Samples from SGLang servers (module docstring). Thread-safe.
 
     `urls`: the servers. `vocab_size` / `max_seq_len`: the model's, for request validation
@@ -178,10 +102,10 @@ class SGLangEngine(InferenceEngine):
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
         self.weights_dir, self.model_config = weights_dir, model_config
         retry = RetryPolicy(cfg.backoff_initial_s, cfg.backoff_max_s)
-        self._servers = [_Server(ServerClient(u, connect_timeout_s=cfg.connect_timeout_s,
-                                              max_retries=cfg.max_retries, retry=retry,
-                                              api_key=cfg.api_key),
-                                 cfg.concurrency_per_server) for u in cfg.urls]
+        self._servers = [Server(ServerClient(u, connect_timeout_s=cfg.connect_timeout_s,
+                                             max_retries=cfg.max_retries, retry=retry,
+                                             api_key=cfg.api_key),
+                                cfg.concurrency_per_server) for u in cfg.urls]
         self.num_slots = cfg.concurrency_per_server * len(self._servers)
 
         self._lock = threading.Lock()
@@ -228,76 +152,6 @@ class SGLangEngine(InferenceEngine):
                                       ("monitor", self._monitor_loop))]
         for t in self._threads:
             t.start()
-
-    # ------------------------------------------------------------------ startup / health
-
-    def _wait_ready(self, deadline_s: float) -> None:
-        deadline = time.monotonic() + deadline_s
-
-        def wait(s: _Server):
-            while not self._stop.is_set():
-                if s.client.healthy(timeout=min(5.0, deadline_s)):
-                    s.up, s.reason = True, None
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    s.reason = f"no healthy /health within {deadline_s}s"
-                    return
-                time.sleep(min(0.2, left))
-
-        threads = [threading.Thread(target=wait, args=(s,), daemon=True) for s in self._servers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if not any(s.up for s in self._servers):
-            raise TimeoutError(f"no SGLang server answered /health within {deadline_s}s "
-                               f"(sglang.health_deadline_s): {list(self.config.urls)}")
-        for s in self._servers:
-            if not s.up:
-                log.warning("SGLang server %s is not ready (%s); routing around it", s.url,
-                            s.reason)
-
-    def _model_info(self, s: _Server) -> Any:
-        try:
-            return (s.client.get("/get_model_info", timeout=self.config.control_timeout_s)
-                    or {}).get("weight_version")
-        except (HTTPError, ServerUnavailable):
-            return None
-
-    def _mark_down(self, s: _Server, reason: str) -> None:
-        with self._cv:
-            if s.up:
-                log.warning("SGLang server %s removed from routing: %s", s.url, reason)
-                s.counts["removed"] += 1
-            s.up, s.reason = False, reason
-            self._cv.notify_all()
-
-    def _monitor_loop(self) -> None:
-        """Re-admits removed servers that answer /health again, after refitting them to the
-        live version (always: a server that comes back may have been restarted)."""
-        while not self._stop.wait(self.config.health_check_interval_s):
-            for s in [s for s in self._servers if not s.up]:
-                if self._stop.is_set() or not s.client.healthy(timeout=5.0):
-                    continue
-                with self._cv:
-                    path, version = self._deferred or (self._path, self._version)
-                if path is not None:  # it may have restarted from its launch checkpoint
-                    ok, msg = self._refit_server(s, path, version)
-                    if not ok:
-                        s.reason = f"answers /health but cannot be refit: {msg}"
-                        continue
-                with self._cv:
-                    if self._deferred == (path, version):  # the version missed while down
-                        self._version, self._path, self._deferred = version, path, None
-                        self._counters["refits"] += 1
-                        self._counters["deferred_refits"] += 1
-                    if self._version != version:  # a newer one went live meanwhile: again
-                        continue
-                    s.up, s.reason = True, None
-                    s.counts["readmitted"] += 1
-                    self._cv.notify_all()
-                log.warning("SGLang server %s is back in routing", s.url)
 
     # ------------------------------------------------------------------ requests
 
@@ -417,10 +271,6 @@ class SGLangEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ dispatch
 
-    def _pick_server(self) -> Optional[_Server]:  # holds _cv
-        ready = [s for s in self._servers if s.up and s.in_flight < s.capacity]
-        return min(ready, key=lambda s: s.in_flight / s.capacity) if ready else None
-
     def _dispatch_loop(self) -> None:
         while True:
             with self._cv:
@@ -442,15 +292,6 @@ class SGLangEngine(InferenceEngine):
                 self._executor.submit(self._run_job, job)
             except RuntimeError:  # closed meanwhile: close() returns its samples as 'abort'
                 return
-
-    def _change_in_flight(self, s: _Server, delta: int) -> None:  # holds _cv
-        now = time.perf_counter()
-        for c in (self._counters, self._window):
-            c["slot_s"] += self._in_flight * (now - self._last_change)
-            c["busy_s"] += (now - self._last_change) if self._in_flight else 0.0
-        self._last_change = now
-        self._in_flight += delta
-        s.in_flight += delta
 
     def _run_job(self, job: Job) -> None:
         s = job.server
@@ -531,7 +372,7 @@ class SGLangEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ answers
 
-    def _on_segment(self, smp: Sample, seg: dict, server: _Server) -> None:  # holds _cv
+    def _on_segment(self, smp: Sample, seg: dict, server: Server) -> None:  # holds _cv
         if smp.done:
             return
         c = len(seg["tokens"])
@@ -585,144 +426,6 @@ class SGLangEngine(InferenceEngine):
             self._live.pop(rid, None)
             self._aborted.discard(rid)
         self._cv.notify_all()
-
-    # ------------------------------------------------------------------ weights
-
-    def update_weights(self, weights: Any, version: int, *, wait: bool = True,
-                       timeout: Optional[float] = None, allow_older: bool = False) -> None:
-        """Refits every server to `weights` (an HF directory, or arrays written to
-        `weights_dir/v{version:08d}` first). See `InferenceEngine.update_weights`;
-        `allow_older` permits going back to an older version (lag injection)."""
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-            raise ValueError(f"update_weights: version must be an integer, got {version!r}")
-        version = int(version)
-        with self._cv:
-            self._check_newer(version, allow_older)
-        path = self._weights_path(weights, version)
-        with self._cv:
-            self._check_newer(version, allow_older)
-            self._refit_seq += 1
-            seq = self._refit_seq
-            self._refit_target = (seq, path, version)
-            self._newest = max(self._newest, version) if not allow_older else version
-            self._cv.notify_all()
-            if not wait:
-                return
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while self._refit_done < seq and not self._closed:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"update_weights: version {version} not live after "
-                                       f"{timeout}s (engine at {self._version})")
-                self._cv.wait(left)
-            if seq in self._refit_error:
-                raise RuntimeError(self._refit_error.pop(seq))
-            if self._refit_done < seq:
-                raise EngineClosedError(f"engine closed before version {version} went live")
-
-    def _check_newer(self, version: int, allow_older: bool) -> None:  # holds _cv
-        self._check_open()
-        if not allow_older and version <= self._newest:
-            raise ValueError(
-                f"update_weights: version {version} is not newer than the engine's version "
-                f"{self._newest} (live {self._version}); versions must strictly increase, a "
-                "stale or duplicate update is never applied")
-
-    def _weights_path(self, weights: Any, version: int) -> str:
-        if isinstance(weights, (str, os.PathLike)):
-            # Read by the servers, on their hosts: a shared file system, same path everywhere.
-            return os.path.abspath(os.fspath(weights))
-        if not self.weights_dir or self.model_config is None:
-            raise ValueError("update_weights: arrays need SGLangEngine(weights_dir=..., "
-                             "model_config=...) to be written as an HF directory; pass a "
-                             "checkpoint directory instead")
-        from pipelinerl_jax.rollout.sglang_weights import write_hf_version
-        return write_hf_version(weights, self.model_config, self.weights_dir, version)
-
-    def _refit_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop.is_set() and self._refit_target is None:
-                    self._cv.wait()
-                if self._stop.is_set():
-                    return
-                (seq, path, version), self._refit_target = self._refit_target, None
-                servers = [s for s in self._servers if s.up]
-            results = self._refit_all(servers, path, version)
-            ok = [s for s, (good, _) in zip(servers, results) if good]
-            with self._cv:
-                if ok:
-                    self._version, self._path = version, path
-                    self._counters["refits"] += 1
-                    if self._deferred is not None and self._deferred[1] <= version:
-                        self._deferred = None
-                elif self._refit_target is not None and not os.path.isdir(path):
-                    # The learner garbage-collected it under a newer version: apply that one.
-                    self._counters["refits_superseded"] += 1
-                else:
-                    if not servers:
-                        self._deferred = (path, version)  # installed when a server is back
-                    msgs = "; ".join(f"{s.url}: {m}" for s, (_, m) in zip(servers, results))
-                    self._refit_error[seq] = (f"update_weights: version {version} could not be "
-                                              f"installed on any server ({msgs or 'none up'})")
-                    self._counters["refit_failures"] += 1
-                    log.error(self._refit_error[seq])
-                self._refit_done = seq
-                self._cv.notify_all()
-
-    def _refit_all(self, servers, path, version) -> list:
-        """`_refit_server` on every server at once; [(ok, message)] in server order."""
-        results: List[Any] = [None] * len(servers)
-
-        def one(i, s):
-            results[i] = self._refit_server(s, path, version)
-        threads = [threading.Thread(target=one, args=(i, s), daemon=True)
-                   for i, s in enumerate(servers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return results
-
-    def _refit_server(self, s: _Server, path: str, version: int):
-        """pause → update_weights_from_disk → continue on one server; (ok, message)."""
-        mode = self.config.pause_mode
-        timeout = self.config.control_timeout_s
-        t0 = time.perf_counter()
-        try:
-            s.client.post("/pause_generation", {"mode": mode}, timeout=timeout)
-            try:
-                answer = s.client.post("/update_weights_from_disk", {
-                    "model_path": path, "weight_version": str(version),
-                    "flush_cache": mode != "in_place", "abort_all_requests": False},
-                    timeout=timeout) or {}
-                if answer.get("success") is False:
-                    raise HTTPError(s.url, "/update_weights_from_disk", 200,
-                                    str(answer.get("message")))
-            finally:
-                with self._cv:
-                    keep_paused = self._paused
-                if not keep_paused:
-                    s.client.post("/continue_generation", {}, timeout=timeout)
-        except HTTPError as e:
-            # SGLang keeps serving its previous weights after a failed load: the server stays
-            # in routing (its tokens carry their true version) and the failure is reported.
-            msg = f"refit to version {version} failed: {e.message}"
-            log.warning("SGLang server %s: %s", s.url, msg)
-            with self._cv:
-                s.refit_error = msg
-            return False, msg
-        except ServerUnavailable as e:
-            self._mark_down(s, str(e))
-            return False, str(e)
-        dt = time.perf_counter() - t0
-        with self._cv:
-            s.version = version
-            s.refits += 1
-            s.refit_s_total += dt
-            s.last_refit_s = dt
-            s.refit_error = None
-        return True, ""
 
     # ------------------------------------------------------------------ control
 
@@ -835,19 +538,15 @@ class SGLangEngine(InferenceEngine):
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-# ---------------------------------------------------------------------------- factory
-
-def make_sglang_engine(cfg, index: int, workdir: str) -> SGLangEngine:
+def make_sglang_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> SGLangEngine:
     """The engine of rollout worker `index`: servers `urls[index::num_workers]`, version -1
-    (no usable weights until the learner's first version is installed)."""
-    from pipelinerl_jax.models.factory import resolve_model_config
-    from pipelinerl_jax.rollout.factory import weights_dir
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    (no usable weights until the learner's first version is installed). `init_checkpoint` is
+    not read: the servers were launched with their own."""
     validate_sglang_config(cfg.sglang, "sglang", required=True,
                            num_workers=cfg.rollout.num_workers)
     urls = tuple(cfg.sglang.urls)[index::cfg.rollout.num_workers]
     model_cfg = resolve_model_config(cfg.model, get_tokenizer(cfg.tokenizer).vocab_size)
     return SGLangEngine(urls, cfg.sglang, vocab_size=model_cfg.vocab_size,
                         max_seq_len=cfg.engine.max_seq_len, version=-1,
-                        engine_id=f"sglang-{index}", weights_dir=weights_dir(cfg, workdir),
-                        model_config=model_cfg)
+                        engine_id=f"sglang-{index}",
+                        weights_dir=weight_sink.weights_dir(cfg, workdir), model_config=model_cfg)

@@ -5,14 +5,16 @@ Pure functions over the engine's bookkeeping (`Sample`: one of the `n` samples o
 Field names follow sglang's `GenerateReqInput` / `SamplingParams` (`srt/managers/io_struct.py`,
 `srt/sampling/sampling_params.py`) and the answers its tokenizer manager builds.
 
-Three request forms (all with `return_logprob: true`, answered prompt-major):
+Two request forms (both with `return_logprob: true`, answered prompt-major):
   single     one sample: `input_ids` [P] (prompt + tokens so far when resubmitted), one answer
              object;
-  parallel   `n` samples without seeds: one prompt, `sampling_params.n = n`, a list of `n`;
-  batched    `n` samples with seeds: `n` copies of the prompt, one `sampling_seed` each (SGLang's
-             seeded sampler hashes (seed, position), so copies sharing a seed would be equal).
-Server rids are '<request id>/<job number>/<sample index>' (parallel: '<request id>/<job
-number>', whose children the server names itself).
+  batched    `n` samples: `n` copies of the prompt, a list of `n` answers; with a seed, one
+             `sampling_seed` each (SGLang's seeded sampler hashes (seed, position), so copies
+             sharing a seed would be equal).
+Every sample has its own server rid, '<request id>/<job number>/<sample index>', so
+`/abort_request` reaches each one. `sampling_params.n` is never sent: SGLang gives the children
+of such a request fresh uuid rids (`tokenizer_manager.py` `_handle_batch_request`,
+`io_struct.py` `regenerate_rid`) and forgets the parent rid, which `abort_request` then ignores.
 """
 from __future__ import annotations
 
@@ -77,19 +79,14 @@ class Job:
     sent_version: Optional[int] = None  # that server's version when the job was sent
 
 
-def is_parallel(job: Job) -> bool:
-    """Sent as one prompt with sampling_params.n (several samples, no seeds)."""
-    return len(job.samples) > 1 and job.samples[0].seed is None
-
-
 def sample_rid(job: Job, smp: Sample) -> str:
     return f"{job.name}/{smp.index}"
 
 
 def abort_rids(job: Job) -> List[str]:
-    """What `/abort_request` needs to stop `job`: each sample's rid, or for parallel sampling
-    the parent rid (recent servers map it to its children; older match rids exactly)."""
-    return [job.name] if is_parallel(job) else [sample_rid(job, smp) for smp in job.samples]
+    """What `/abort_request` needs to stop `job`: each sample's rid (SGLang aborts only a rid
+    it holds: `TokenizerManager.abort_request`)."""
+    return [sample_rid(job, smp) for smp in job.samples]
 
 
 def generate_body(job: Job) -> dict:
@@ -106,15 +103,13 @@ def generate_body(job: Job) -> dict:
         body["sampling_params"] = dict(sp, max_new_tokens=first.max_new - first.n_generated)
         if first.seed is not None:
             body["sampling_params"]["sampling_seed"] = first.seed
-    elif is_parallel(job):
-        body["input_ids"] = first.sequence()
-        body["rid"] = job.name
-        body["sampling_params"] = dict(sp, max_new_tokens=first.max_new, n=len(job.samples))
-    else:  # batched
+    else:  # batched, seeded or not: one rid per sample (never sampling_params.n)
         body["input_ids"] = [smp.sequence() for smp in job.samples]
         body["rid"] = [sample_rid(job, smp) for smp in job.samples]
-        body["sampling_params"] = [dict(sp, max_new_tokens=smp.max_new, sampling_seed=smp.seed)
-                                   for smp in job.samples]
+        body["sampling_params"] = [
+            dict(sp, max_new_tokens=smp.max_new,
+                 **({} if smp.seed is None else {"sampling_seed": smp.seed}))
+            for smp in job.samples]
     return body
 
 

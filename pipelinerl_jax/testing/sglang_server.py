@@ -32,8 +32,24 @@ with the embedded `JaxEngine`, so tokens and log-probs are real:
                                       abort_all_requests}: loads the HF directory into the
                                       JaxEngine; 400 {success: false, message} if it cannot
   POST /update_weight_version         {new_version, abort_all_requests (default True)}
-  POST /abort_request {rid, abort_all} aborts requests whose rid starts with `rid`
+  POST /abort_request {rid, abort_all} see "Request ids and aborts" below
   POST /flush_cache
+
+Request ids and aborts, as SGLang handles them (read in `srt/managers/io_struct.py`,
+`srt/managers/tokenizer_manager.py`, `srt/managers/scheduler.py`):
+  - a rid string on one prompt names that request; a rid list on a batch names one request
+    per prompt; a rid string on a batch becomes '<rid>_<i>' per prompt; no rid, a fresh uuid
+    (`GenerateReqInput._normalize_single_inputs` / `_normalize_rid`). A list with a rid twice
+    is a 400 (`_validate_rid_uniqueness`);
+  - `sampling_params.n > 1` expands each prompt into n children, each with a fresh uuid rid
+    unrelated to the one sent (`TokenizerManager._handle_batch_request`: `regenerate_rid()`),
+    and the parent's state is dropped: the answers' `meta_info.id` are the children's rids;
+  - `/abort_request {rid}` is ignored unless `rid` is exactly the rid of a request in flight
+    (`TokenizerManager.abort_request`: `rid not in self.rid_to_state` returns; with one
+    tokenizer worker, the default), so the parent rid of an n > 1 request aborts nothing;
+    a rid in flight aborts every request whose rid starts with it (the scheduler's abort
+    matches `req.rid.startswith(recv_req.rid)`); `abort_all` aborts everything
+    (`http_server.py` `/abort_request` passes `rid` and `abort_all`).
 
 Log-probs are SGLang's default: log softmax(logits / T) of the sampled token, before top-k /
 top-p truncation (`JaxEngine` with `logprob_mode='tempered'`). `kv_policy` emulates what a
@@ -198,20 +214,16 @@ class ServerState:
         if isinstance(rid, list) and len(rid) != len(prompts):
             raise BadRequest("The specified rids length mismatch with the batch_size for "
                              "batch processing.")
+        if isinstance(rid, list) and len(set(rid)) != len(rid):
+            raise BadRequest("Duplicate request IDs detected within the request: "
+                             f"{sorted({r for r in rid if rid.count(r) > 1})}")
         want_logprob = body.get("return_logprob") or False
         items = []  # prompt-major: prompt i, then its n samples
         for i, (prompt, s) in enumerate(zip(prompts, sps)):
             self._check(prompt, s)
-            base = rid[i] if isinstance(rid, list) else rid
             for j in range(n):
-                if base is None:
-                    r = uuid.uuid4().hex
-                elif n == 1 and (single or isinstance(rid, list)):
-                    r = base
-                else:
-                    r = f"{base}_{j}" if isinstance(rid, list) else f"{base}_{i * n + j}"
                 lp = want_logprob[i] if isinstance(want_logprob, list) else want_logprob
-                items.append((r, [int(t) for t in prompt], s, bool(lp)))
+                items.append((_rid(rid, single, i, n), [int(t) for t in prompt], s, bool(lp)))
         with self.lock:
             self.counts["generate"] += 1
             call = self.counts["generate"]
@@ -359,8 +371,15 @@ class ServerState:
     # ------------------------------------------------------------------ control
 
     def abort(self, rid: Optional[str], abort_all: bool) -> int:
+        """SGLang's two-stage abort (module docstring): a rid no request holds is ignored;
+        a held one aborts every request whose rid starts with it."""
         with self.lock:
-            hit = [iid for iid, r in self.live.items() if abort_all or (rid and r.startswith(rid))]
+            if abort_all:
+                hit = list(self.live)
+            elif not rid or rid not in self.live.values():
+                hit = []
+            else:
+                hit = [iid for iid, r in self.live.items() if r.startswith(rid)]
         for iid in hit:
             self.engine.abort(iid)
         return len(hit)
@@ -479,6 +498,15 @@ def _corrupt(outputs: List[dict], k: int) -> Any:
     else:
         del first["meta_info"]
     return outputs
+
+
+def _rid(rid: Any, single: bool, i: int, n: int) -> str:
+    """The rid of one sample of prompt `i` (see the module docstring, "Request ids")."""
+    if n > 1 or rid is None:
+        return uuid.uuid4().hex  # parallel children: regenerate_rid(); no rid: a fresh one
+    if isinstance(rid, list):
+        return rid[i]
+    return rid if single else f"{rid}_{i}"
 
 
 def _np_prompt(prompt):

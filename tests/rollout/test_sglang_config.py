@@ -12,7 +12,7 @@ from flax import nnx
 
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.run_config import base_config, validate
-from pipelinerl_jax.rollout.sglang_engine import sglang_config, validate_sglang_config
+from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
 from pipelinerl_jax.testing.sglang_server import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -126,12 +126,13 @@ def test_launch_helper_commands():
 def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
     from pipelinerl_jax.models import Decoder, flat_params, from_pretrained, save_pretrained
     from pipelinerl_jax.models.factory import resolve_model_config
-    from pipelinerl_jax.rollout.factory import make_engine, weights_dir
+    from pipelinerl_jax.rollout.factory import make_engine
     from pipelinerl_jax.rollout.worker import RolloutWorker
     from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
     from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
     from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
+    from pipelinerl_jax.transport.weight_sink import weights_dir
 
     server = ServerProcess(["--stub", "--port", "0", "--vocab-size", "56"])  # char vocabulary
     queue = RolloutQueueServer().start()

@@ -1,8 +1,11 @@
 """SGLangEngine against two protocol-faithful test-server processes that generate with a real
-JaxEngine: parsing (n>1 and batched forms) checked against the servers' own records, refits
-between exact decode steps in 'retract' and 'in_place' mode with log-probs recomputed here,
-provenance without per-token spans, server aborts (resubmit with prefix / drop), user aborts,
-and HTTP 400 messages."""
+JaxEngine: parsing (single and batched forms, seeded or not) checked against the servers' own
+records, refits between exact decode steps in 'retract' and 'in_place' mode with log-probs
+recomputed here, provenance without per-token spans, server aborts (resubmit with prefix /
+drop), user aborts and close() reaching every sample on the server, and HTTP 400 messages."""
+import threading
+import urllib.error
+
 import numpy as np
 import pytest
 
@@ -62,15 +65,11 @@ def engine_for(*procs, **config):
 
 def matching(record, rid, sample_index):
     """Record entries of one sample, in order (a resubmitted sample has several). Server
-    rids are '<request>/<job>/<sample>', or '<request>/<job>_<sample>' for the children of
-    SGLang's parallel sampling."""
+    rids are '<request>/<job>/<sample>'."""
     out = []
     for r in record:
-        head, _, tail = r["rid"].partition("/")
-        if head != rid:
-            continue
-        job, _, index = tail.replace("_", "/").partition("/")
-        if int(index) == sample_index:
+        head, job, index = r["rid"].split("/")
+        if head == rid and int(index) == sample_index:
             out.append(r)
     return out
 
@@ -237,6 +236,69 @@ def test_user_abort_of_running_and_queued_requests(fresh):
     assert all(c.finish_reason == "abort" for c in got.values())
     assert len(got[("queued", 0)].token_ids) == 0
     assert all(len(got[("running", i)].token_ids) == 5 for i in (0, 1))  # not resubmitted
+
+
+def test_the_test_server_names_and_aborts_requests_as_sglang_does(fresh):
+    """The fake's rid rules (its module docstring): n>1 children get fresh rids, an abort of
+    a rid no request holds does nothing, a held rid aborts every rid it prefixes."""
+    proc = fresh["retract"]
+    proc.configure(auto_step=False)
+    answers = {}
+    bodies = {"parallel": dict(input_ids=[1, 2], rid="p", sampling_params=dict(
+                  max_new_tokens=20, n=2)),
+              "x": dict(input_ids=[1], rid="x", sampling_params=dict(max_new_tokens=20)),
+              "x1": dict(input_ids=[2], rid="x1", sampling_params=dict(max_new_tokens=20))}
+    threads = {k: threading.Thread(target=lambda k=k: answers.__setitem__(
+        k, proc.call("POST", "/generate", bodies[k])), daemon=True) for k in bodies}
+    for t in threads.values():
+        t.start()
+    _step_until_live(proc, 4)
+    proc.call("POST", "/abort_request", {"rid": "p"})  # the parent: no request holds it
+    proc.call("POST", "/abort_request", {"rid": "x"})  # held: aborts 'x' and 'x1'
+    threads["x"].join(30)
+    threads["x1"].join(30)
+    assert proc.stats()["live"] == 2
+    assert [answers[k]["meta_info"]["finish_reason"]["type"] for k in ("x", "x1")] == [
+        "abort", "abort"]
+    proc.call("POST", "/abort_request", {"rid": "", "abort_all": True})
+    threads["parallel"].join(30)
+    ids = [o["meta_info"]["id"] for o in answers["parallel"]]
+    assert len(set(ids)) == 2 and not any(i.startswith("p") for i in ids)
+    with pytest.raises(urllib.error.HTTPError, match="400"):
+        proc.call("POST", "/generate", dict(input_ids=[[1], [2]], rid=["a", "a"]))
+
+
+def test_abort_of_an_unseeded_request_stops_every_sample_on_the_server(fresh):
+    """Regression: an unseeded n>1 request was sent with sampling_params.n, whose children
+    SGLang renames (fresh rids), so aborting the rid the engine sent did nothing: the samples
+    never ended 'abort' and the server kept generating."""
+    proc = fresh["retract"]
+    proc.configure(auto_step=False)
+    with engine_for(proc) as eng:
+        eng.submit(request("u", [1, 2, 3], max_new_tokens=20, n=3))
+        _step_until_live(proc, 3)
+        proc.call("POST", "/_test/step", {"steps": 1})
+        assert eng.abort("u") == 3
+        got = {}
+        for _ in range(20):
+            got.update({c.sample_index: c for c in eng.get_completions(timeout=0.5)})
+            if len(got) == 3:
+                break
+        assert proc.stats()["live"] == 0, "the server still generates the aborted samples"
+    assert sorted(got) == [0, 1, 2]
+    assert all(c.finish_reason == "abort" and len(c.token_ids) == 5 for c in got.values())
+
+
+def test_close_stops_an_unseeded_request_on_the_server(fresh):
+    proc = fresh["retract"]
+    proc.configure(auto_step=False)
+    eng = engine_for(proc)
+    eng.submit(request("u", [1, 2, 3], max_new_tokens=20, n=2))
+    _step_until_live(proc, 2)
+    eng.close()
+    assert proc.stats()["live"] == 0, "close() left the server generating"
+    assert sorted((c.sample_index, c.finish_reason) for c in eng.get_completions()) == [
+        (0, "abort"), (1, "abort")]
 
 
 def test_http_400_surfaces_with_the_servers_message(fresh):

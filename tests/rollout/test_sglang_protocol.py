@@ -1,4 +1,4 @@
-"""The SGLang wire format on its own: request bodies of the three forms, answer parsing
+"""The SGLang wire format on its own: request bodies of the two forms, answer parsing
 (per-token version spans, the fallback without them, KV versions by pause mode, malformed
 answers), and the error messages taken from SGLang's error bodies."""
 import types
@@ -31,13 +31,17 @@ def test_request_forms():
                                          "stop_token_ids": [2], "no_stop_trim": True,
                                          "max_new_tokens": 8}
     assert single["return_logprob"] is True
-    parallel = generate_body(job(n=3))
-    assert parallel["input_ids"] == [5, 6, 7] and parallel["sampling_params"]["n"] == 3
-    assert abort_rids(job(n=3)) == ["q/4"]
     batched = generate_body(job(n=3, seed=40))
     assert batched["input_ids"] == [[5, 6, 7]] * 3 and batched["rid"] == ["q/4/0", "q/4/1", "q/4/2"]
     assert [sp["sampling_seed"] for sp in batched["sampling_params"]] == [40, 41, 42]
     assert abort_rids(job(n=3, seed=40)) == batched["rid"]
+    # Without seeds too: one rid per sample, never sampling_params.n (SGLang would rename the
+    # children and ignore an abort of the parent rid).
+    unseeded = generate_body(job(n=3))
+    assert unseeded["input_ids"] == [[5, 6, 7]] * 3 and unseeded["rid"] == batched["rid"]
+    assert all("n" not in sp and "sampling_seed" not in sp
+               for sp in unseeded["sampling_params"])
+    assert abort_rids(job(n=3)) == unseeded["rid"]
 
 
 def out(tokens, logps, finish, **meta):
