@@ -31,7 +31,7 @@ from pipelinerl_jax.tasks.synthetic import SyntheticStringTask
 __all__ = [
     "HELD_OUT_MODULUS", "GeneratedTask", "Problem", "RewardResult", "Task", "is_held_out",
     "stable_hash", "CountdownTask", "GSM8KTask", "SyntheticStringTask", "REGISTRY",
-    "task_config", "get_task", "validate_task_config",
+    "task_config", "get_task", "validate_task_config", "merge_defaults",
 ]
 
 # name -> builder(name, task_section, prefix) that validates its own keys.
@@ -41,7 +41,27 @@ REGISTRY: dict[str, Callable[[str, Any, str], Task]] = {
     "gsm8k": gsm8k.from_config,
 }
 _COMMON = {"name": "reverse", "truncated_reward": 0.0}
-_DEFAULTS = {**_COMMON, **synthetic.DEFAULTS, **countdown.DEFAULTS, **gsm8k.DEFAULTS}
+
+
+def merge_defaults(parts: dict) -> dict:
+    """One flat defaults dict from each task module's `DEFAULTS` (`{owner: defaults}`).
+
+    Two owners may share a key only with the same default: otherwise whichever came last
+    would silently decide the other task's default, so that is an error at import time."""
+    merged: dict = {}
+    owner_of: dict = {}
+    for owner, defaults in parts.items():
+        for key, value in defaults.items():
+            if key in merged and merged[key] != value:
+                raise ValueError(f"task default {key!r} collides: {owner_of[key]} sets "
+                                 f"{merged[key]!r}, {owner} sets {value!r}; rename one")
+            merged.setdefault(key, value)
+            owner_of.setdefault(key, owner)
+    return merged
+
+
+_DEFAULTS = merge_defaults({"common": _COMMON, "synthetic": synthetic.DEFAULTS,
+                            "countdown": countdown.DEFAULTS, "gsm8k": gsm8k.DEFAULTS})
 
 
 def task_config(name: str = "reverse", **overrides: Any) -> ml_collections.ConfigDict:

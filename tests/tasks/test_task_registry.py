@@ -66,3 +66,11 @@ def test_use_all_numbers_must_be_a_bool():
     cfg["use_all_numbers"] = "yes"
     with pytest.raises(ConfigError, match=r"^task\.use_all_numbers: must be a bool"):
         get_task(cfg)
+
+
+def test_task_defaults_that_collide_are_an_error_naming_both_owners():
+    from pipelinerl_jax.tasks import merge_defaults
+    assert merge_defaults({"a": {"x": 1, "y": 2}, "b": {"x": 1, "z": 3}}) == {"x": 1, "y": 2,
+                                                                            "z": 3}
+    with pytest.raises(ValueError, match=r"'eval_size' collides: a sets 64, b sets 128"):
+        merge_defaults({"a": {"eval_size": 64}, "b": {"eval_size": 128}})
