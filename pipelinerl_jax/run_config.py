@@ -10,10 +10,12 @@ code: never load one you did not write.
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
 from ml_collections import config_dict
 
+from pipelinerl_jax import resources
 from pipelinerl_jax.config import ConfigError, check_keys
 
 MODES = ("async", "sync")
@@ -80,10 +82,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.transport.capacity_rollouts = 16384
     c.lag_injection = ml_collections.ConfigDict(dict(
         enabled=False, kind="fixed", k=0, max_k=8, seed=0))
-    c.resources = ml_collections.ConfigDict(dict(
-        learner_cores="",  # e.g. "0" or "0-3"; "" = no pinning (all cores)
-        sampler_cores="",  # cores for the rollout workers (shared among them)
-    ))
+    c.resources = resources.resources_config()  # cores and accelerators per role
     c.launch = ml_collections.ConfigDict(dict(
         max_worker_restarts=3, startup_timeout_s=300.0, shutdown_timeout_s=20.0,
         max_queue_restarts=3,  # a restarted queue is empty: workers regenerate what it lost
@@ -94,14 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 def parse_cores(spec: str, key: str) -> list:
     """'0,2-3' -> [0, 2, 3]; '' -> []."""
-    cores = []
-    try:
-        for part in filter(None, str(spec).replace(" ", "").split(",")):
-            lo, _, hi = part.partition("-")
-            cores.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ConfigError(key, f"must look like '0' or '0-3,5', got {spec!r}") from None
-    return cores
+    return resources.parse_indices(spec, key)
 
 
 def _int(cfg, key, lo=0):
@@ -203,8 +195,10 @@ def validate(cfg) -> None:
         _int(cfg, "warm_start.batch_size", 1)
     for key in ("max_worker_restarts", "max_queue_restarts", "max_learner_restarts"):
         _int(cfg, f"launch.{key}")
-    parse_cores(cfg.resources.learner_cores, "resources.learner_cores")
-    parse_cores(cfg.resources.sampler_cores, "resources.sampler_cores")
+    check_keys(cfg.resources, "resources", resources.resources_config().keys())
+    resources.validate_resources(cfg.resources, num_workers=r.num_workers,
+                                 sampler_kind=cfg.sampler.kind, mesh_size=math.prod(shape),
+                                 environ=os.environ)
     if tok.vocab_size <= 0:
         raise ConfigError("tokenizer", "tokenizer has an empty vocabulary")
 

@@ -6,7 +6,8 @@
 2. warm start (warm_start.py): SFT on the task's demonstrations in a child process, unless a
    checkpoint is given or already in the workdir (`workdir/warm_start/model`);
 3. start the queue server, the learner and `rollout.num_workers` workers (roles.py), each
-   pinned to its cores (`resources.*`);
+   pinned to its cores and given its own accelerators in its environment
+   (`resources.learner_devices` / `resources.sampler_devices`; pipelinerl_jax/resources.py);
 4. watch them: show a progress bar fed by `metrics.jsonl` (progress.py); restart a child that
    dies, up to `launch.max_{worker,queue,learner}_restarts` times (a restarted queue comes
    back empty on the same address: clients reconnect, workers regenerate what it lost; a
@@ -32,7 +33,7 @@ import threading
 import time
 from typing import List
 
-from pipelinerl_jax import run_config
+from pipelinerl_jax import resources, run_config
 from pipelinerl_jax.launch import roles
 from pipelinerl_jax.launch.progress import Monitor
 from pipelinerl_jax.launch.supervisor import Child, LaunchError, stop_all, tail
@@ -51,6 +52,8 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
 
     run_config.validate(cfg)
     cfg = run_config.resolve(cfg)
+    # Children pin and split by the platform of this host, not 'auto'.
+    cfg.resources.platform = resources.resolve_platform(cfg.resources.platform, os.environ)
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
     t = cfg.transport
@@ -69,7 +72,11 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        init_ckpt = warm_start(cfg, workdir, progress=progress, stopping=stopping)
+        if cfg.resources.learner_devices or cfg.resources.sampler_devices:
+            print(resources.describe(cfg.resources, num_workers=cfg.rollout.num_workers,
+                                     sampler_kind=cfg.sampler.kind), flush=True)
+        init_ckpt = warm_start(cfg, workdir, progress=progress, stopping=stopping,
+                               env=child_env(cfg, "sft"))
         with open(os.path.join(workdir, "init_checkpoint.txt"), "w") as f:
             f.write(init_ckpt)
         if stopping.is_set():
@@ -77,8 +84,8 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
         queue = roles.child("queue", workdir).start()
         children.append(queue)
         _wait_queue(cfg, queue)
-        learner = roles.child("learner", workdir).start()
-        workers = [roles.child("worker", workdir, i).start()
+        learner = roles.child("learner", workdir, env=child_env(cfg, "learner")).start()
+        workers = [roles.child("worker", workdir, i, env=child_env(cfg, "worker", i)).start()
                    for i in range(cfg.rollout.num_workers)]
         children += [learner] + workers
         monitor = Monitor(workdir, cfg.learner.total_steps) if progress else None
@@ -125,6 +132,12 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def child_env(cfg, role: str, index: int = 0) -> dict:
+    """This process's environment plus the accelerators of `role` (resources.role_env)."""
+    return resources.role_env(cfg.resources, role, index, num_workers=cfg.rollout.num_workers,
+                              sampler_kind=cfg.sampler.kind, base=os.environ)
 
 
 def _wait_queue(cfg, queue: Child) -> None:

@@ -3,9 +3,10 @@
     python -m pipelinerl_jax.launch --role=worker --workdir=DIR [--index=I]
 
 Every role reads `DIR/config.json` (the launcher writes it), pins itself to its cores
-(`resources.*`) before JAX is imported, so XLA sizes its thread pool to them, and stops
-cleanly on SIGTERM. The SFT role's DIR is the warm-start directory (`RUN/warm_start`); it
-writes `DIR/model`. A learner that stops on an exception leaves a `learner_stopped` record
+(`resources.*`, pipelinerl_jax/resources.py) before JAX is imported, so XLA sizes its thread
+pool to them, and stops cleanly on SIGTERM. Its accelerators come in its environment (the
+launcher's `resources.role_env`: visible GPUs or TPU chips, a CPU device count). The SFT
+role's DIR is the warm-start directory (`RUN/warm_start`); it writes `DIR/model`. A learner that stops on an exception leaves a `learner_stopped` record
 in `DIR/events.jsonl` first (outcome.py). Hence the imports inside functions here: nothing
 heavy may load before the pinning.
 """
@@ -20,6 +21,7 @@ from typing import List, Optional
 
 from pipelinerl_jax.launch.outcome import record_learner_stopped
 from pipelinerl_jax.launch.supervisor import Child, LaunchError
+from pipelinerl_jax.resources import role_cores
 
 ROLES = ("queue", "learner", "worker", "sft")
 # stop_all: producers first, then the learner (it checkpoints on SIGTERM), then the queue.
@@ -50,20 +52,25 @@ def run_role(role: str, workdir: str, index: int = 0) -> int:
         raise
 
 
-def _pin(cores: List[int]) -> None:
-    if cores and hasattr(os, "sched_setaffinity"):
+def pin(cfg, role: str, index: int = 0) -> List[int]:
+    """Pins this process to the cores of `role` (`resources.role_cores`) that exist here;
+    returns them ([] = not pinned)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    have = os.sched_getaffinity(0)
+    cores = [c for c in role_cores(cfg.resources, role, index,
+                                   num_workers=cfg.rollout.num_workers,
+                                   sampler_kind=cfg.sampler.kind) if c in have]
+    if cores:
         os.sched_setaffinity(0, cores)
+    return cores
 
 
 def _run_role(role: str, workdir: str, index: int) -> int:
     import ml_collections
-    from pipelinerl_jax.run_config import parse_cores
     with open(os.path.join(workdir, "config.json")) as f:
         cfg = ml_collections.ConfigDict(json.load(f))
-    if role == "learner":
-        _pin(parse_cores(cfg.resources.learner_cores, "resources.learner_cores"))
-    elif role in ("worker",):
-        _pin(parse_cores(cfg.resources.sampler_cores, "resources.sampler_cores"))
+    pin(cfg, role, index)
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda *_: stop.set())

@@ -46,6 +46,16 @@ def _write_tables(result, workdir):
                    delimiter=",", header="step,seconds", comments="", fmt="%.6g")
 
 
+def _sweep_line(out: dict) -> str:
+    b = out["best"]
+    if b is None:
+        return (f"no split of {out['devices']} devices keeps staleness within "
+                f"{out['max_staleness']}")
+    vs = f", {out['speedup_over_sync']:.2f}x sync" if out["speedup_over_sync"] else ""
+    return (f"best split: {b['trainers']} learner + {b['samplers']} sampler devices "
+            f"({b['samples_per_s']:.3g} samples/s{vs}); paste into a config: {out['paste']}")
+
+
 def run(cfg, workdir: str) -> dict:
     """Runs what `cfg` asks for; validates first, so a bad config fails before any work."""
     mode = one_of(cfg, "mode", MODES + ("sweep",))
@@ -60,6 +70,7 @@ def run(cfg, workdir: str) -> dict:
         out = {"kind": "sweep", **sweep_split(cfg)}
         if want_plots:
             plots.plot_sweep(out, os.path.join(workdir, "sweep.png"))
+        print(_sweep_line(out), flush=True)
     else:
         result = simulate(base)
         out = {"kind": "simulation", **result.summary()}

@@ -5,12 +5,18 @@ For `devices` = N, each candidate gives `trainers` = n_t devices to the learner 
 (rounded down to whole engines) to sampling. A split is feasible when the learner can hold
 the training state (`config.trainer_fits`) and its steady-state maximum start_lag is at most
 `sweep.max_staleness`. Throughput is trained samples/s in steady state.
+
+The best split is also stated in the run config's keys (`recommended`, `paste`): the first
+`trainers` devices to the learner, the next `samplers` to `samplers / devices_per_engine`
+rollout workers (pipelinerl_jax/resources.py splits them evenly), ready to paste into a
+config for one host, e.g. `resources.learner_devices='0-3' resources.sampler_devices='4-7'`.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from pipelinerl_jax.config import ConfigError, positive_int
+from pipelinerl_jax.resources import format_indices
 from pipelinerl_jax.sim.config import accelerator, build_setup, model_spec, trainer_fits
 from pipelinerl_jax.sim.pipeline import simulate
 
@@ -54,5 +60,20 @@ def sweep_split(cfg) -> dict:
         s = simulate(dataclasses.replace(base, mode="sync", max_lag=None)).summary()
         sync = {"samples_per_s": s["samples_per_s"], "step_time_s": s["step_time_s"]}
     speedup = best["samples_per_s"] / sync["samples_per_s"] if best and sync else None
+    keys = split_keys(best["trainers"], best["samplers"], base.tp) if best else None
     return {"devices": n, "max_staleness": limit, "steps": steps, "splits": rows, "best": best,
-            "sync": sync, "speedup_over_sync": speedup}
+            "sync": sync, "speedup_over_sync": speedup, "recommended": keys,
+            "paste": paste(keys) if keys else None}
+
+
+def split_keys(trainers: int, samplers: int, devices_per_engine: int = 1) -> dict:
+    """A split as run-config keys: learner on devices [0, trainers), samplers on the next
+    `samplers`, one rollout worker per engine."""
+    return {"resources.learner_devices": format_indices(range(trainers)),
+            "resources.sampler_devices": format_indices(range(trainers, trainers + samplers)),
+            "rollout.num_workers": samplers // devices_per_engine}
+
+
+def paste(keys: dict) -> str:
+    """`keys` as one line for a config file or, with `--config.` before each, a command line."""
+    return " ".join(f"{k}={v!r}" for k, v in keys.items())

@@ -5,7 +5,7 @@ from configs.sim import tiny
 from pipelinerl_jax.sim.commands import run
 
 
-def test_sweep_picks_the_fastest_split_within_the_staleness_limit(tmp_path):
+def test_sweep_picks_the_fastest_split_within_the_staleness_limit(tmp_path, capsys):
     c = tiny.get_config("sweep")
     c.devices = 32  # CPU training is costly: most devices must train
     c.sweep.steps = 12
@@ -26,3 +26,11 @@ def test_sweep_picks_the_fastest_split_within_the_staleness_limit(tmp_path):
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["best"]["trainers"] == out["best"]["trainers"]
     assert (tmp_path / "sweep.png").exists()
+    # The best split in the run config's keys, ready to paste (one worker per engine).
+    t, s = out["best"]["trainers"], out["best"]["samplers"]
+    assert saved["recommended"] == {
+        "resources.learner_devices": f"0-{t - 1}",
+        "resources.sampler_devices": f"{t}-{t + s - 1}" if s > 1 else f"{t}",
+        "rollout.num_workers": s // c.rollout.devices_per_engine}
+    assert f"paste into a config: resources.learner_devices='0-{t - 1}' " \
+           f"resources.sampler_devices=" in capsys.readouterr().out
