@@ -148,10 +148,12 @@ class GroupRunner:
 
 
 def run_group(runner: EpisodeRunner, problem: Problem, group_size: int, *,
-              seed: Optional[int] = None, timeout: Optional[float] = None) -> GroupResult:
-    """Runs one group to the end (blocking): all its episodes, or a reason and none."""
+              seed: Optional[int] = None, timeout: Optional[float] = None,
+              group_id: Optional[str] = None) -> GroupResult:
+    """Runs one group to the end (blocking): all its episodes, or a reason and none.
+    `runner` must have no other episodes running (this consumes what it finishes)."""
     groups = GroupRunner(runner, group_size)
-    gid = groups.start(problem, seed=seed)
+    gid = groups.start(problem, group_id=group_id, seed=seed)
     t_end = None if timeout is None else time.monotonic() + timeout
     while True:
         for g in groups.poll(timeout=0.05):

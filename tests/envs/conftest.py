@@ -118,6 +118,37 @@ def check_token_exact(ep, engine, tok, env_texts=None):
     return comps
 
 
+# EOS, '\n' and the ids the random test model (tests/rollout make_model(100)) samples most,
+# so that its turns end by a stop token.
+RANDOM_MODEL_STOPS = (2, 4, 6, 9, 10, 17, 18, 49)
+
+
+def recording(engine):
+    """Keeps every request the engine got and every completion it returned."""
+    engine.submitted, engine.returned = [], []
+    submit, get = engine.submit, engine.get_completions
+
+    def rec_submit(request):
+        submit(request)
+        engine.submitted.append(request)
+
+    def rec_get(timeout=0.0, max_items=None):
+        out = get(timeout, max_items)
+        engine.returned.extend(out)
+        return out
+    engine.submit, engine.get_completions = rec_submit, rec_get
+    return engine
+
+
+def check_logps(ep, model, reference, turns):
+    """logp_behaviour of the model tokens of `turns` equals one full forward of `model` over
+    the episode's sequence (env tokens included as context)."""
+    ref = reference(model, ep.prompt_ids, ep.completion_ids)
+    at = (ep.loss_mask == 1) & np.isin(ep.turn_index, turns)
+    assert at.any()
+    np.testing.assert_allclose(ep.logp_behaviour[at], ref[at], atol=2e-4)
+
+
 @pytest.fixture(scope="session")
 def tok():
     return CharTokenizer()

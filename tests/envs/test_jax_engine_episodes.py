@@ -9,11 +9,10 @@ import pytest
 
 from pipelinerl_jax.envs import EpisodeRunner
 from pipelinerl_jax.models import flat_params
-from tests.envs.conftest import ToyTask, check_token_exact, default_behaviour, toy_problem
+from tests.envs.conftest import (RANDOM_MODEL_STOPS, ToyTask, check_logps, check_token_exact,
+                                 default_behaviour, recording, toy_problem)
 from tests.rollout.conftest import full_logits, make_engine, make_model, reference  # noqa: F401
 
-# EOS, '\n' and the ids this random model samples most, so that its turns end by a stop.
-STOPS = (2, 4, 6, 9, 10, 17, 18, 49)
 ENV_TEXTS = ["=0\n", "=1\n", "=2\n"]
 
 
@@ -22,35 +21,9 @@ def weights():
     return {0: make_model(100), 1: make_model(101)}
 
 
-def recording(engine):
-    """Keeps every request the engine got and every completion it returned."""
-    engine.submitted, engine.returned = [], []
-    submit, get = engine.submit, engine.get_completions
-
-    def rec_submit(request):
-        submit(request)
-        engine.submitted.append(request)
-
-    def rec_get(timeout=0.0, max_items=None):
-        out = get(timeout, max_items)
-        engine.returned.extend(out)
-        return out
-    engine.submit, engine.get_completions = rec_submit, rec_get
-    return engine
-
-
-def check_logps(ep, model, reference, turns):  # noqa: F811 - the fixture, passed on
-    """logp_behaviour of the model tokens of `turns` equals one full forward of `model` over
-    the episode's sequence (env tokens included as context)."""
-    ref = reference(model, ep.prompt_ids, ep.completion_ids)
-    at = (ep.loss_mask == 1) & np.isin(ep.turn_index, turns)
-    assert at.any()
-    np.testing.assert_allclose(ep.logp_behaviour[at], ref[at], atol=2e-4)
-
-
 def test_episodes_are_token_exact_on_a_real_engine(tok, weights, reference):  # noqa: F811
     eng = recording(make_engine(weights[0], start=True))
-    runner = EpisodeRunner(eng, tok, ToyTask(), max_turn_tokens=12, stop_token_ids=STOPS,
+    runner = EpisodeRunner(eng, tok, ToyTask(), max_turn_tokens=12, stop_token_ids=RANDOM_MODEL_STOPS,
                            tool_threads=4)
     try:
         eps = runner.run([toy_problem(i, turns=3) for i in range(8)], seeds=list(range(8)),
@@ -80,7 +53,7 @@ def test_an_episode_spanning_a_weight_update(tok, weights, reference):  # noqa: 
 
     eng = recording(make_engine(weights[0], start=True))
     runner = EpisodeRunner(eng, tok, ToyTask(behaviour), max_turn_tokens=12,
-                           stop_token_ids=STOPS, tool_threads=8)
+                           stop_token_ids=RANDOM_MODEL_STOPS, tool_threads=8)
     ids = [runner.start(toy_problem(i, turns=3), seed=100 + i) for i in range(6)]
     done, updated = [], False
     t_end = time.monotonic() + 300
