@@ -266,6 +266,7 @@ def _run_async(s: SimSetup) -> SimResult:
     train_end = sync_end = None  # of the step in progress
     late = 0  # learner steps that ended inside an epoch (their pause/bump applied late)
     cuts = 0  # epochs ended early at a queue event (a put blocked, a blocked learner take)
+    near = None  # set when an epoch ended just short of its event: how far to look next
 
     def idle_horizon():
         # While the learner waits, no learner event can come sooner than one train step
@@ -329,11 +330,13 @@ def _run_async(s: SimSetup) -> SimResult:
         `first_event`). Events come from the samples' completions, so the epoch is run to
         `horizon` to find one, then again up to it (until no event is left before the end:
         a shorter run can move completions slightly). Returns (pool output, epoch end)."""
-        nonlocal cuts
+        nonlocal cuts, near
         blocked = len(queue) > room
         if math.isinf(room) or (blocked and not idle):
+            near = None
             return pool.advance(horizon), horizon
-        end = horizon
+        end = horizon if near is None else min(horizon, now + near)
+        near = None
         for attempt in range(_MAX_RERUNS + 1):
             snap, log = pool.snapshot(), _Deferred()
             pool.series = log
@@ -344,7 +347,11 @@ def _run_async(s: SimSetup) -> SimResult:
                 break
             pool.restore(snap)
             cuts += 1
+            if attempt == 0:  # a shorter run times steps on a finer grid: within a bin or so
+                near = 2 * (end - now) / pool.grid_bins
             end = t
+        if t < end:
+            near = None  # the event happened in this epoch
         log.commit(series)
         return out, end
 
