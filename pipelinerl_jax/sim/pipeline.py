@@ -266,7 +266,8 @@ def _run_async(s: SimSetup) -> SimResult:
     train_end = sync_end = None  # of the step in progress
     late = 0  # learner steps that ended inside an epoch (their pause/bump applied late)
     cuts = 0  # epochs ended early at a queue event (a put blocked, a blocked learner take)
-    near = None  # set when an epoch ended just short of its event: how far to look next
+    near = None  # how far to look after an epoch that ended just short of its queue event
+    halve = False  # the last look found a queue event
 
     def idle_horizon():
         # While the learner waits, no learner event can come sooner than one train step
@@ -326,17 +327,23 @@ def _run_async(s: SimSetup) -> SimResult:
         return t_block
 
     def advance(horizon, idle):
-        """Advances the pool to `horizon`, or to the first queue event before it (see
-        `first_event`). Events come from the samples' completions, so the epoch is run to
-        `horizon` to find one, then again up to it (until no event is left before the end:
-        a shorter run can move completions slightly). Returns (pool output, epoch end)."""
-        nonlocal cuts, near
+        """Advances the pool to `horizon`, or to the first queue event before it
+        (`first_event`). An event comes from sample completions, so the epoch is run to find
+        it, undone and run again up to it; a shorter run times steps on a finer grid and can
+        move completions a little, so this repeats until no event is left before the end.
+        How far to look: after an epoch that ended just short of its event, a couple of grid
+        bins; after one that held an event, half way (a long look is often undone);
+        otherwise all the way. Returns (pool output, epoch end)."""
+        nonlocal cuts, near, halve
         blocked = len(queue) > room
         if math.isinf(room) or (blocked and not idle):
             near = None
             return pool.advance(horizon), horizon
-        end = horizon if near is None else min(horizon, now + near)
-        near = None
+        if near is not None:
+            end = min(horizon, now + near)
+        else:
+            end = now + 0.5 * (horizon - now) if halve else horizon
+        near, halve = None, False
         for attempt in range(_MAX_RERUNS + 1):
             snap, log = pool.snapshot(), _Deferred()
             pool.series = log
@@ -347,11 +354,11 @@ def _run_async(s: SimSetup) -> SimResult:
                 break
             pool.restore(snap)
             cuts += 1
-            if attempt == 0:  # a shorter run times steps on a finer grid: within a bin or so
-                near = 2 * (end - now) / pool.grid_bins
+            if attempt == 0:
+                near, halve = 2 * (end - now) / pool.grid_bins, True
             end = t
         if t < end:
-            near = None  # the event happened in this epoch
+            near = None  # the event is in this epoch
         log.commit(series)
         return out, end
 
