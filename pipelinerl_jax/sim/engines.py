@@ -237,7 +237,7 @@ class EnginePool:
 
         # 3. Cut each engine where its clock reaches the horizon (within a rounding error, as
         # in `advance`: a sample finishing there is done, one starting there is not).
-        room = horizon - 1e-9 * max(1.0, horizon) - self.clock
+        room = horizon - (1e-9 * max(1.0, horizon) if np.isfinite(horizon) else 0.0) - self.clock
         reached = t_cum[:, -1] >= room
         cut = extent.copy()
         if np.isfinite(horizon) and reached.any():

@@ -312,7 +312,8 @@ def _run_async(s: SimSetup) -> SimResult:
     def first_event(out, blocked, idle):
         """The first queue event in an advance's output that changes what samplers may do:
         the put that finds the queue full when samples started after it, or, with an idle
-        learner, its take of a batch if a put is or gets held (stale groups count: a bound)."""
+        learner, its take of a batch if a put is or gets held (counting stale groups too, so
+        it may come early; the next epoch then goes on)."""
         _, t_done = store.completions(out[3], out[4])
         t_block = math.inf
         fit = int(room) - len(queue)  # completions that still find room
