@@ -92,6 +92,18 @@ class EnginePool:
         self.drawn += n
         return out
 
+    def snapshot(self):
+        """The pool's state, for `restore` (to undo an `advance`; `series` is not covered)."""
+        return (self.rem.copy(), self.ctx.copy(), self.sid.copy(), self.clock.copy(),
+                self.admitted.copy(), self.allowed.copy(), self.decode_tokens, self.drawn,
+                self._buf, self._buf_pos, self.rng.bit_generator.state)
+
+    def restore(self, snap):
+        """Back to a `snapshot` (each is restored at most once: its arrays become the pool's)."""
+        (self.rem, self.ctx, self.sid, self.clock, self.admitted, self.allowed,
+         self.decode_tokens, self.drawn, self._buf, self._buf_pos, state) = snap
+        self.rng.bit_generator.state = state
+
     @property
     def active_count(self) -> int:
         return int((self.rem > 0).sum())
@@ -223,8 +235,9 @@ class EnginePool:
         t_cum = np.cumsum(t_bin, 1)
         t_beg = t_cum - t_bin
 
-        # 3. Cut each engine where its clock reaches the horizon.
-        room = horizon - self.clock
+        # 3. Cut each engine where its clock reaches the horizon (within a rounding error, as
+        # in `advance`: a sample finishing there is done, one starting there is not).
+        room = horizon - (1e-9 * max(1.0, horizon) if np.isfinite(horizon) else 0.0) - self.clock
         reached = t_cum[:, -1] >= room
         cut = extent.copy()
         if np.isfinite(horizon) and reached.any():

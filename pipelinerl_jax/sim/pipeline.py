@@ -6,19 +6,25 @@
   one_step  samplers generate batch k+1 with version k while trainers train batch k
             (one-step off-policy); each side waits for the other once per step.
   async     samplers decode continuously (continuous batching) and update weights in flight;
-            finished groups go to a queue of `queue_capacity_batches`; the learner trains as
-            soon as a batch is queued. Submission stops while the queue is full, and
-            `max_lag` throttles it the PipelineRL way (at most (v + max_lag + 1) batches of
-            groups submitted by the time version v is live); groups whose start_lag still
-            exceeds `max_lag` when the learner reaches them are dropped.
+            finished groups go to a queue; the learner trains as soon as a batch is queued.
+            Admission follows the rollout worker's (`_run_async.limit_admission`), checked
+            whenever a slot frees: with `max_lag`, at most (v + max_lag + 1) batches of
+            groups have started by the time version v is live; and a finished group is put
+            whole into a queue of `queue_capacity_batches` batches: a group that finds it
+            full waits (its put is held), and while one waits no sampler starts a sample
+            (samples in flight go on). Groups whose start_lag still exceeds `max_lag` when
+            the learner reaches them are dropped (and give their place back).
 
 Lag (DESIGN.md "Provenance"): the learner at version L trains a sample whose generation
 started at version v0 with `start_lag = L - v0`; per token `lag = L - version[t]`, where with
 in-flight updates version[t] follows the samplers' version timeline during generation.
 
 The driver advances the engine pool (`engines.py`) in epochs that end at every learner event
-that changes what samplers may do (end of a train step, arrival of new weights), so between
-two epochs admission limits and the policy version are constant.
+that changes what samplers may do (end of a train step, arrival of new weights), and at the
+queue events that do (the put that finds the queue full; an idle learner's take while a put
+waits), so within an epoch the admission limits and the policy version are constant and the
+pool applies them at every admission. A queue event comes from sample completions, so an
+epoch that may hold one is run to find it, undone and run again up to it (`advance`).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from pipelinerl_jax.sim.timeline import TimeSeries, VersionTimeline
 MODES = ("sync", "one_step", "async")
 _LAG_BINS = 64  # histogram bins for lags; larger lags land in the last bin
 _IDLE_HORIZON_FRACTION = 0.5  # see _run_async.idle_horizon
+_MAX_RERUNS = 8  # see _run_async.advance
 
 
 @dataclasses.dataclass
@@ -233,16 +240,34 @@ def _run_batched(s: SimSetup) -> SimResult:
     return _result(s, pool, store, learner, queue, series, completion)
 
 
+class _Deferred:
+    """Stands in for the TimeSeries during an advance that may be undone; `commit` replays it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def add(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+
+    def commit(self, series: TimeSeries):
+        for args, kwargs in self.calls:
+            series.add(*args, **kwargs)
+
+
 def _run_async(s: SimSetup) -> SimResult:
     pool, store, timeline, series = _make(s)
     learner = _Learner(s, store, timeline, in_flight=True)
-    queue = GroupQueue()
+    queue = GroupQueue()  # every finished group the learner has not taken (queued or waiting)
     bg, G = s.batch_size, s.group_size
+    room = s.queue_capacity_batches * bg  # groups the queue holds
     min_tokens = bg * G * (s.prompt_len + 1)
     t_train_min = max(float(s.train.step_time(min_tokens, s.trainers)), 1e-6)
     now = 0.0
     train_end = sync_end = None  # of the step in progress
     late = 0  # learner steps that ended inside an epoch (their pause/bump applied late)
+    cuts = 0  # epochs ended early at a queue event (a put blocked, a blocked learner take)
+    near = None  # how far to look after an epoch that ended just short of its queue event
+    halve = False  # the last look found a queue event
 
     def idle_horizon():
         # While the learner waits, no learner event can come sooner than one train step
@@ -253,15 +278,29 @@ def _run_async(s: SimSetup) -> SimResult:
         return now + max(t_train_min, _IDLE_HORIZON_FRACTION * last)
 
     def limit_admission():
-        # PipelineRL's throttle: by the time version v is live, at most (v + max_lag + 1)
-        # batches of groups may have been submitted (dropped groups give their place back).
+        # The rollout worker's admission control (rollout/worker.py), per sample: the pool
+        # applies these limits whenever a slot frees, as `run` asks `can_admit` whenever a
+        # request may start (worker.py:354). Engine e starts global groups e, e+E, ...
+        # (EnginePool.set_group_cap): its share of every batch, like a worker's `share`
+        # (worker.py:144-148).
+        # - max_lag (`can_admit`, worker.py:163-171): a group joins the earliest batch k whose
+        #   share is not full, counting groups in flight and queued (`submit_one` counts it,
+        #   worker.py:247-249; batches below the learner's version are forgotten, 163-164),
+        #   and starts only while k - engine_version <= max_lag; engines run the latest
+        #   published version v, so at most (v + max_lag + 1) batches start. Here a group the
+        #   queue drops as stale gives its place back; the worker never learns of such a
+        #   drop, so there its place stays taken until the learner passes its batch.
+        # - capacity: a finished group is put whole (`finish_group`, worker.py:282); a full
+        #   queue holds the put (transport/queue_core.py `put`), the client retries it
+        #   (queue_client `_PUT_RETRY`), and a worker holding a put starts nothing (`run` is
+        #   one loop). So nothing starts while more than `room` finished groups await the
+        #   learner (the queue's plus the held puts); samples in flight do not count and go
+        #   on. One held put stops every engine here (one worker for all of them).
         cap = math.inf
         if s.max_lag is not None:
             cap = (timeline.latest + s.max_lag + 1) * bg + learner.dropped_groups
         pool.set_group_cap(cap)
-        # A full result queue blocks submission; checked once per epoch, so the queue may
-        # overshoot its capacity by what finishes within one epoch.
-        if len(queue) >= s.queue_capacity_batches * bg:
+        if len(queue) > room:
             pool.allowed = np.minimum(pool.allowed, pool.admitted)
 
     def start_if_ready(t_limit):
@@ -270,15 +309,68 @@ def _run_async(s: SimSetup) -> SimResult:
         if got is not None:
             train_end, sync_end = learner.train(*got)
 
+    def first_event(out, blocked, idle):
+        """The first queue event in an advance's output that changes what samplers may do:
+        the put that finds the queue full when samples started after it, or, with an idle
+        learner, its take of a batch if a put is or gets held (counting stale groups too, so
+        it may come early; the next epoch then goes on)."""
+        _, t_done = store.completions(out[3], out[4])
+        t_block = math.inf
+        fit = int(room) - len(queue)  # completions that still find room
+        if not blocked and t_done.size > fit:
+            t_block = float(np.partition(t_done, fit)[fit])
+            if not (out[1] >= t_block).any():  # a slot freed by that very group stays empty
+                t_block = math.inf
+        if idle and (blocked or t_block < math.inf):
+            times = np.concatenate([queue.times, t_done])
+            if times.size >= bg:
+                return min(t_block, float(np.partition(times, bg - 1)[bg - 1]))
+        return t_block
+
+    def advance(horizon, idle):
+        """Advances the pool to `horizon`, or to the first queue event before it
+        (`first_event`). An event comes from sample completions, so the epoch is run to find
+        it, undone and run again up to it; a shorter run times steps on a finer grid and can
+        move completions a little, so this repeats until no event is left before the end.
+        How far to look: after an epoch that ended just short of its event, a couple of grid
+        bins; after one that held an event, half way (a long look is often undone);
+        otherwise all the way. Returns (pool output, epoch end)."""
+        nonlocal cuts, near, halve
+        blocked = len(queue) > room
+        if math.isinf(room) or (blocked and not idle):
+            near = None
+            return pool.advance(horizon), horizon
+        if near is not None:
+            end = min(horizon, now + near)
+        else:
+            end = now + 0.5 * (horizon - now) if halve else horizon
+        near, halve = None, False
+        for attempt in range(_MAX_RERUNS + 1):
+            snap, log = pool.snapshot(), _Deferred()
+            pool.series = log
+            out = pool.advance(end)
+            pool.series = series
+            t = first_event(out, blocked, idle)
+            if not now < t < end or attempt == _MAX_RERUNS:
+                break
+            pool.restore(snap)
+            cuts += 1
+            if attempt == 0:
+                near, halve = 2 * (end - now) / pool.grid_bins, True
+            end = t
+        if t < end:
+            near = None  # the event is in this epoch
+        log.commit(series)
+        return out, end
+
     while len(learner.rows) < s.steps or train_end is not None:
         if train_end is None and len(learner.rows) < s.steps:
             start_if_ready(now)
-        if train_end is not None:
-            horizon = train_end if now < train_end else sync_end
-        else:
-            horizon = idle_horizon()
         limit_admission()
-        out = pool.advance(horizon)
+        if train_end is not None:
+            out, horizon = advance(train_end if now < train_end else sync_end, idle=False)
+        else:
+            out, horizon = advance(idle_horizon(), idle=True)
         groups, times = _collect(store, out, timeline.latest)
         queue.push(groups, times)
         if train_end is None and len(learner.rows) < s.steps:
@@ -294,6 +386,7 @@ def _run_async(s: SimSetup) -> SimResult:
                 train_end = sync_end = None
     result = _result(s, pool, store, learner, queue, series, [])
     result.counters["late_learner_events"] = int(late)
+    result.counters["queue_event_cuts"] = int(cuts)
     return result
 
 

@@ -78,6 +78,23 @@ class SampleStore:
         groups = self.lo + ((ring - self.lo) & (self.cap - 1))  # ring slot -> live group id
         return groups, self.f["finish_t"][self._group_pos(groups)].max(1)
 
+    def completions(self, sids, times):
+        """(ids, completion times) of the groups that finishing samples `sids` at `times`
+        would complete, without recording anything. The samples may be newer than the store
+        (groups >= hi have nothing recorded yet); a group completes at its last finish, one
+        of these, as they come after every recorded one."""
+        if sids.size == 0:
+            return np.zeros(0, np.int64), np.zeros(0)
+        rel = sids // self.G - self.lo  # every finishing sample's group is live: >= lo
+        span = int(rel.max()) + 1
+        got = np.bincount(rel, minlength=span)
+        groups = np.arange(self.lo, self.lo + span)
+        before = np.where(groups < self.hi, self.n_done[groups & (self.cap - 1)], 0)
+        last = np.full(span, -np.inf)
+        np.maximum.at(last, rel, times)
+        full = (got > 0) & (before + got == self.G)
+        return groups[full], last[full]
+
     def gather(self, groups) -> dict:
         """Per-sample fields of `groups`, each [len(groups), G]."""
         pos = self._group_pos(groups)
