@@ -65,7 +65,7 @@ from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
 from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
-                                                  parse_url)
+                                                  parse_url, require_endpoints)
 from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
                                                     answer_items, generate_body, parse_output,
                                                     version_of)
@@ -161,13 +161,15 @@ class SGLangEngine(InferenceEngine):
     `max_seq_len`). `version`: the engine's starting version (None: read the servers'
     `weight_version`). `weights_dir` and `model_config`: where and how `update_weights`
     writes weights given as arrays (a path is used as is). `wait_ready=False` skips the
-    startup wait for /health (every server is routed to at once).
+    startup wait for /health (every server is routed to at once). `require_refit`: fail now
+    (`MissingEndpointError`, naming server and endpoint) if a server cannot be refit.
     """
 
     def __init__(self, urls: Sequence[str], config: Optional[Mapping] = None, *,
                  vocab_size: int, max_seq_len: int, version: Optional[int] = None,
                  engine_id: str = "sglang", weights_dir: Optional[str] = None,
-                 model_config: Any = None, wait_ready: bool = True):
+                 model_config: Any = None, wait_ready: bool = True,
+                 require_refit: bool = False):
         cfg = sglang_config()
         if config is not None:
             cfg.update(dict(config))
@@ -214,9 +216,13 @@ class SGLangEngine(InferenceEngine):
         else:
             for s in self._servers:
                 s.up, s.reason = True, None
+        if require_refit:  # probed once, at start-up: never a failed refit mid-run
+            require_endpoints([s.client for s in self._servers if s.up])
         for s in self._servers:
-            if s.up:
-                s.version = version_of(self._model_info(s))
+            if s.up:  # a server without a label (sglang-jax) holds `version`
+                label = self._model_info(s)
+                s.version = version_of(label) if label is not None or version is None \
+                    else int(version)
         if version is None:
             version = min((s.version for s in self._servers if s.up), default=-1)
         self._version = self._newest = int(version)
@@ -850,4 +856,4 @@ def make_sglang_engine(cfg, index: int, workdir: str) -> SGLangEngine:
     return SGLangEngine(urls, cfg.sglang, vocab_size=model_cfg.vocab_size,
                         max_seq_len=cfg.engine.max_seq_len, version=-1,
                         engine_id=f"sglang-{index}", weights_dir=weights_dir(cfg, workdir),
-                        model_config=model_cfg)
+                        model_config=model_cfg, require_refit=True)
