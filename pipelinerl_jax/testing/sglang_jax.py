@@ -6,7 +6,7 @@ the repository (`ensure_venv`: built when missing, reused when present; ~4 min, 
 `$PIPELINERL_SGLANG_PYTHON` names its interpreter directly. The server is launched as
 
     python -m sgl_jax.launch_server --model-path DIR --device cpu --attention-backend native \
-        --skip-tokenizer-init --enable-deterministic-sampling ...
+        --skip-tokenizer-init --enable-deterministic-sampling --disable-overlap-schedule ...
 
 on a tiny Qwen2 written by our `save_pretrained` (head_dim 128, no EOS so that only
 `stop_token_ids` end a sample; no tokenizer files: with --skip-tokenizer-init the server reads
@@ -42,25 +42,25 @@ ENV_PYTHON = "PIPELINERL_SGLANG_PYTHON"
 ENV_VENV = "PIPELINERL_SGLANG_VENV"
 DEFAULT_VENV = os.path.expanduser("~/.cache/pipelinerl_jax/sglang-jax-venv")
 VOCAB, CONTEXT = 128, 512
-# Batch paddings from 2 (the issue measured that batch-1 decode needs a padding >= 2), small
-# token paddings (start-up ~20-80 s on 2 busy cores), a 4096-token KV pool (the default takes
-# most of the free memory).
+# Batch paddings from 2 (a padding of 1 crashes the decode precompile: ShardingTypeError),
+# small token paddings (start-up ~25-80 s on 2 busy cores), a 4096-token KV pool (the default
+# takes most of the free memory), and no overlap schedule: with it, 4 of 18 server lifetimes
+# here decoded every batched row but the first from wrong logits (docs/sglang.md).
 SERVER_ARGS = ("--device", "cpu", "--attention-backend", "native", "--skip-tokenizer-init",
                "--dtype", "float32", "--enable-deterministic-sampling", "--random-seed", "0",
                "--context-length", str(CONTEXT), "--max-running-requests", "8",
                "--max-total-tokens", "4096", "--page-size", "1",
                "--precompile-token-paddings", "64", "128", "256", "512",
-               "--precompile-bs-paddings", "2", "4", "8")
+               "--precompile-bs-paddings", "2", "4", "8", "--disable-overlap-schedule")
 READY_LINE = "The server is fired up and ready to roll"
 
 
 # ---------------------------------------------------------------------------- virtualenv
 
 def find_base_python() -> str:
-    """A Python 3.12 interpreter to build the virtualenv with (PATH, then pyenv)."""
-    found = shutil.which("python3.12")
-    if found:
-        return found
+    """A working Python 3.12 to build the virtualenv with (PATH, then pyenv's versions; a
+    pyenv shim without that version selected does not count)."""
+    candidates = [shutil.which("python3.12")]
     roots = [os.environ.get("PYENV_ROOT", ""), os.path.expanduser("~/.pyenv")]
     try:
         roots.insert(0, subprocess.run(["pyenv", "root"], capture_output=True, text=True,
@@ -68,10 +68,18 @@ def find_base_python() -> str:
     except (OSError, subprocess.CalledProcessError):
         pass
     for root in filter(None, roots):
-        hits = sorted(glob.glob(os.path.join(root, "versions", "3.12*", "bin", "python3")))
-        if hits:
-            return hits[-1]
-    raise FileNotFoundError("no Python 3.12 found (sglang-jax needs it): pass --base-python")
+        candidates += sorted(glob.glob(os.path.join(root, "versions", "3.12*", "bin",
+                                                    "python3")), reverse=True)
+    for c in filter(None, candidates):
+        try:
+            out = subprocess.run([c, "-c", "import sys; print(sys.version_info[:2])"],
+                                 capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.strip() == "(3, 12)":
+            return c
+    raise FileNotFoundError("no working Python 3.12 found (sglang-jax needs it): pass "
+                            "--base-python")
 
 
 def venv_python(venv: str) -> str:
@@ -186,8 +194,10 @@ class RealServer:
     detokenizer, which `kill` ends with it)."""
 
     def __init__(self, python: str, model_path: str, log_dir: str, port: Optional[int] = None,
-                 extra: Sequence[str] = ()):
+                 extra: Sequence[str] = (), overlap: bool = False):
         self.python, self.model_path, self.extra = python, model_path, tuple(extra)
+        self.args = tuple(a for a in SERVER_ARGS
+                          if not (overlap and a == "--disable-overlap-schedule"))
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"sglang-jax-{self.port}.log")
@@ -199,7 +209,7 @@ class RealServer:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(
                 [self.python, "-m", "sgl_jax.launch_server", "--model-path", self.model_path,
-                 "--host", "127.0.0.1", "--port", str(self.port), *SERVER_ARGS, *self.extra],
+                 "--host", "127.0.0.1", "--port", str(self.port), *self.args, *self.extra],
                 stdout=log, stderr=subprocess.STDOUT, env=_server_env(), start_new_session=True)
         # /health answers 200 before the warm-up request is done; a request mixing into it
         # can crash this version (see docs/sglang.md), so the log's ready line is awaited too.
