@@ -208,3 +208,45 @@ class ServerClient:
             return True
         except (HTTPError, ServerUnavailable):
             return False
+
+
+# ---------------------------------------------------------------------------- capabilities
+
+# What refitting a server takes (`SGLangEngine.update_weights`): pause, load, continue.
+REFIT_ENDPOINTS = ("/pause_generation", "/update_weights_from_disk", "/continue_generation")
+
+
+class MissingEndpointError(RuntimeError):
+    """A server lacks an endpoint the configuration needs (found at start-up, not mid-run)."""
+
+
+def missing_endpoints(client: ServerClient, paths=REFIT_ENDPOINTS,
+                      timeout: float = 10.0) -> list:
+    """The POST endpoints among `paths` that `client`'s server does not serve, probed once
+    each with a GET, which changes nothing: SGLang's FastAPI app answers 405 for a POST-only
+    route and 404 for a path it does not have (sglang-jax 0.1.0rc0: /update_weights_from_disk).
+    Only a 404 counts as missing; an unreachable server raises `ServerUnavailable`."""
+    out = []
+    for path in paths:
+        try:
+            client.request("GET", path, None, timeout=timeout, retries=1)
+        except HTTPError as e:
+            if e.status == 404:
+                out.append(path)
+    return out
+
+
+def require_endpoints(clients, paths=REFIT_ENDPOINTS, why: str = "refits them") -> None:
+    """Raises `MissingEndpointError` naming every server and endpoint it lacks (one probe
+    each, `missing_endpoints`); servers that do not answer are left to the caller."""
+    gaps = []
+    for c in clients:
+        try:
+            gaps += [f"{c.url} has no {p}" for p in missing_endpoints(c, paths)]
+        except ServerUnavailable:
+            continue
+    if gaps:
+        raise MissingEndpointError(
+            f"SGLang server(s) cannot serve this configuration, which {why}: {'; '.join(gaps)} "
+            "(HTTP 404). sglang-jax has no weight-update endpoint: sample with the embedded "
+            "engine (sampler.kind='jax') or from SGLang servers that have it")

@@ -63,7 +63,8 @@ import numpy as np
 from pipelinerl_jax.models.factory import resolve_model_config
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
-from pipelinerl_jax.rollout.sglang_client import HTTPError, ServerClient, ServerUnavailable
+from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
+                                                  require_endpoints)
 from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
 from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
                                                     answer_items, generate_body, parse_output,
@@ -85,13 +86,15 @@ class SGLangEngine(ServerFleet, InferenceEngine):
     `max_seq_len`). `version`: the engine's starting version (None: read the servers'
     `weight_version`). `weights_dir` and `model_config`: where and how `update_weights`
     writes weights given as arrays (a path is used as is). `wait_ready=False` skips the
-    startup wait for /health (every server is routed to at once).
+    startup wait for /health (every server is routed to at once). `require_refit`: fail now
+    (`MissingEndpointError`, naming server and endpoint) if a server cannot be refit.
     """
 
     def __init__(self, urls: Sequence[str], config: Optional[Mapping] = None, *,
                  vocab_size: int, max_seq_len: int, version: Optional[int] = None,
                  engine_id: str = "sglang", weights_dir: Optional[str] = None,
-                 model_config: Any = None, wait_ready: bool = True):
+                 model_config: Any = None, wait_ready: bool = True,
+                 require_refit: bool = False):
         cfg = sglang_config()
         if config is not None:
             cfg.update(dict(config))
@@ -138,9 +141,13 @@ class SGLangEngine(ServerFleet, InferenceEngine):
         else:
             for s in self._servers:
                 s.up, s.reason = True, None
+        if require_refit:  # probed once, at start-up: never a failed refit mid-run
+            require_endpoints([s.client for s in self._servers if s.up])
         for s in self._servers:
-            if s.up:
-                s.version = version_of(self._model_info(s))
+            if s.up:  # a server without a label (sglang-jax) holds `version`
+                label = self._model_info(s)
+                s.version = version_of(label) if label is not None or version is None \
+                    else int(version)
         if version is None:
             version = min((s.version for s in self._servers if s.up), default=-1)
         self._version = self._newest = int(version)
@@ -549,4 +556,5 @@ def make_sglang_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> S
     return SGLangEngine(urls, cfg.sglang, vocab_size=model_cfg.vocab_size,
                         max_seq_len=cfg.engine.max_seq_len, version=-1,
                         engine_id=f"sglang-{index}",
-                        weights_dir=weight_sink.weights_dir(cfg, workdir), model_config=model_cfg)
+                        weights_dir=weight_sink.weights_dir(cfg, workdir), model_config=model_cfg,
+                        require_refit=True)

@@ -144,12 +144,14 @@ def parse_output(item: Any, job: Job, pause_mode: str, *, vocab_size: Optional[i
 
     versions: `meta_info.weight_versions` spans when present, else (older servers) the label
     at answer time if the server was not refit meanwhile, else the version it had when the
-    job was sent, for every token (`exact=False`). kv_versions: by pause mode, see the
+    job was sent, for every token (`exact=False`); no label at all (sglang-jax): the engine's
+    record of the server's version stands in for it. kv_versions: by pause mode, see the
     engine's docstring ('in_place': the segment's first version; else equal to versions).
 
     Anything not of SGLang's shape raises `ProtocolError` naming the field: token ids must
     be integers in [0, vocab_size), log-probs finite and <= 0, at most `max_tokens` tokens
-    (the sample's remaining budget), spans integers within the output.
+    (the sample's remaining budget), spans integers within the output. Log-probs a server
+    resent (`drop_resent_logprobs`) are dropped first.
     """
     if not isinstance(item, dict):
         raise ProtocolError(f"output: must be a JSON object, got {type(item).__name__}")
@@ -166,6 +168,7 @@ def parse_output(item: Any, job: Job, pause_mode: str, *, vocab_size: Optional[i
     ids = item.get("output_ids")
     if ids is not None and not isinstance(ids, list):
         raise ProtocolError(f"output_ids: must be a list, got {type(ids).__name__}")
+    pairs = drop_resent_logprobs(pairs, ids, meta)
     field = "meta_info.output_token_logprobs"
     pair_ids = [_int(p[1], f"{field}[{i}] token id") for i, p in enumerate(pairs)]
     tokens = pair_ids if ids is None else [_int(t, f"output_ids[{i}]")
@@ -196,15 +199,71 @@ def parse_output(item: Any, job: Job, pause_mode: str, *, vocab_size: Optional[i
     if kind == "abort" and isinstance(fr, dict) and fr.get("status_code") == 400:
         raise HTTPError(job.server.url, "/generate", 400, str(fr.get("message")))
     c = len(tokens)
-    versions, exact = token_versions(meta, c, job.sent_version)
+    versions, exact = token_versions(meta, c, job.sent_version,
+                                     getattr(job.server, "version", None))
     kv = np.full((c,), versions[0], np.int32) if pause_mode == "in_place" and c \
         else versions.copy()
     return dict(tokens=np.asarray(tokens, np.int32), logps=np.asarray(logps, np.float32),
                 versions=versions, kv_versions=kv, reason=kind, exact=exact)
 
 
-def token_versions(meta: dict, c: int, sent_version: Optional[int]):
-    """(int32 [c] versions, exact) of one output's tokens (see `parse_output`)."""
+_END = object()  # a separator equal to no log-prob entry
+
+
+def drop_resent_logprobs(pairs: list, ids: Optional[list], meta: dict) -> list:
+    """`meta_info.output_token_logprobs` without the prefixes a server sent again.
+
+    sglang-jax (0.1.0rc0) flushes a non-streamed request every 50 tokens and each flush
+    resends the log-probs from offset 0, which its tokenizer manager appends: a 120-token
+    answer carries 50 + 100 + 120 entries. The last `meta_info.completion_tokens` entries are
+    the answer's; they are kept only when every entry before them belongs to a copy of one of
+    their prefixes, otherwise `ProtocolError` (never a silently shifted alignment).
+    """
+    field = "meta_info.output_token_logprobs"
+    c = meta.get("completion_tokens")
+    expected = len(ids) if ids is not None else c
+    if isinstance(expected, bool) or not isinstance(expected, int) or len(pairs) <= expected:
+        return pairs  # the usual answer (a shortfall is reported by the caller)
+    if c is None:
+        raise ProtocolError(f"{field}: {len(pairs)} entries for {expected} output_ids and no "
+                            "meta_info.completion_tokens to tell which are the answer's")
+    c = _int(c, "meta_info.completion_tokens")
+    if ids is not None and c != len(ids):
+        raise ProtocolError(f"meta_info.completion_tokens: {c}, but the answer has "
+                            f"{len(ids)} output_ids")
+    tail, lead = pairs[len(pairs) - c:], pairs[:len(pairs) - c]
+    if not c or not _made_of_prefixes(lead, tail):
+        raise ProtocolError(f"{field}: {len(pairs)} entries for {c} completion_tokens, and the "
+                            f"first {len(lead)} are not resent prefixes of the last {c}")
+    return tail
+
+
+def _made_of_prefixes(lead: list, tail: list) -> bool:
+    """Whether `lead` splits into pieces that each equal some prefix `tail[:k]`."""
+    s = tail + [_END] + lead
+    z = [0] * len(s)  # z[i]: length of the longest common prefix of s[i:] and s
+    left = right = 0
+    for i in range(1, len(s)):
+        if i < right:
+            z[i] = min(right - i, z[i - left])
+        while i + z[i] < len(s) and s[z[i]] == s[i + z[i]]:
+            z[i] += 1
+        if i + z[i] > right:
+            left, right = i, i + z[i]
+    off, reach = len(tail) + 1, 0  # lead[:p] splits for every p <= reach
+    for p in range(len(lead)):
+        if p > reach:
+            return False
+        reach = max(reach, p + z[off + p])
+    return reach >= len(lead)
+
+
+def token_versions(meta: dict, c: int, sent_version: Optional[int],
+                   server_version: Optional[int] = None):
+    """(int32 [c] versions, exact) of one output's tokens (see `parse_output`).
+
+    A server that reports no `weight_version` at all (sglang-jax) is taken to hold what the
+    engine installed: `server_version` (the engine's record now), else `sent_version`."""
     spans = meta.get("weight_versions")
     if spans is not None and not isinstance(spans, list):
         raise ProtocolError("meta_info.weight_versions: must be a list of spans")
@@ -221,6 +280,11 @@ def token_versions(meta: dict, c: int, sent_version: Optional[int]):
             out[start:end] = _label_version(sp.get("version"), f"{field}.version")
         if not (out == _MISSING).any():
             return out, True
-    at_end = _label_version(meta.get("weight_version"), "meta_info.weight_version")
+    label = meta.get("weight_version")
+    if label is None:
+        at_end = server_version if server_version is not None else sent_version
+        at_end = -1 if at_end is None else at_end
+    else:
+        at_end = _label_version(label, "meta_info.weight_version")
     sent = at_end if sent_version is None else sent_version
     return np.full((c,), min(sent, at_end), np.int32), sent == at_end or c == 0

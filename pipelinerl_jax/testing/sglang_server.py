@@ -69,7 +69,9 @@ log-prob, an out-of-vocabulary id, no meta_info, in turn),
 abort_every / abort_next + abort_after_tokens (every k-th, or the next N, /generate calls
 return their samples aborted after that many tokens, as a server-side abort does), delay_s
 (sleep before answering /generate), version_spans, auto_step (false: the engine only runs
-on /_test/step, so a test can place a weight update between two exact decode steps).
+on /_test/step, so a test can place a weight update between two exact decode steps), and
+sglang-jax's gaps: resend_logprobs_every, update_endpoint, weight_version_field (see
+`_gap_answer`).
 `--stub` replaces generation by a zero-cost deterministic one (token ids from a hash,
 log-prob -1.0), so that a benchmark measures the client, not the model.
 
@@ -104,7 +106,8 @@ _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "s
 DEFAULT_SWITCHES = dict(startup_503_s=0.0, fail_every=0, fail_status=503, corrupt_every=0,
                         abort_every=0,
                         abort_next=0, abort_after_tokens=2, delay_s=0.0, version_spans=True,
-                        auto_step=True)
+                        auto_step=True,
+                        resend_logprobs_every=0, update_endpoint=True, weight_version_field=True)
 
 
 class BadRequest(Exception):
@@ -243,6 +246,7 @@ class ServerState:
                 abort_k = sw["abort_after_tokens"]
         out = [self._answer(item, res, abort_k, time.time() - t0, sw["version_spans"])
                for item, res in zip(items, results)]
+        out = [_gap_answer(o, sw) for o in out]
         if sw["corrupt_every"] and call % sw["corrupt_every"] == 0:
             with self.lock:
                 self.counts["corrupted"] += 1
@@ -525,6 +529,40 @@ def _spans(labels: List[str]) -> List[dict]:
     return spans
 
 
+# ---------------------------------------------------------------- sglang-jax's gaps (switches)
+# What sglang-jax 0.1.0rc0 does differently from SGLang (scripts/sglang_conformance.py), so
+# that the default suite covers the engine's handling of it. resend_logprobs_every=k: every
+# k-th token resends the log-probs from offset 0 (k=50 there), so an answer of c tokens
+# carries the prefixes k, 2k, ... < c before its c entries; update_endpoint=false: 404 on the
+# weight endpoints; weight_version_field=false: no weight_version (answers, /get_model_info)
+# and no per-token spans.
+_WEIGHT_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/get_weight_version")
+
+
+def _gap_route(switches: dict, path: str) -> Optional[_Status]:
+    if not switches["update_endpoint"] and path in _WEIGHT_PATHS:
+        return _Status(404, {"detail": "Not Found"})
+    return None
+
+
+def _gap_info(info: dict, switches: dict) -> dict:
+    if not switches["weight_version_field"]:
+        info.pop("weight_version", None)
+    return info
+
+
+def _gap_answer(out: dict, switches: dict) -> dict:
+    meta = out["meta_info"]
+    if not switches["weight_version_field"]:
+        meta.pop("weight_version", None)
+        meta.pop("weight_versions", None)
+    k, pairs = switches["resend_logprobs_every"], meta.get("output_token_logprobs")
+    if k and pairs:
+        meta["output_token_logprobs"] = [p for j in range(k, len(pairs), k)
+                                         for p in pairs[:j]] + pairs
+    return out
+
+
 def make_handler(state: ServerState):
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
@@ -588,8 +626,11 @@ def make_handler(state: ServerState):
             s = state
             if path in ("/health", "/health_generate"):
                 return _Status(503, None) if s.starting() else None
+            gap = _gap_route(s.switches, path)
+            if gap is not None:
+                return gap
             if path == "/get_model_info":
-                return s.info()
+                return _gap_info(s.info(), s.switches)
             if path == "/get_weight_version":
                 return {"weight_version": s.info()["weight_version"]}
             if path == "/get_server_info":

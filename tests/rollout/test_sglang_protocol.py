@@ -99,3 +99,60 @@ def test_abort_with_status_400_is_the_requests_fault():
 ])
 def test_error_bodies(body, message):
     assert error_message(body) == message
+
+
+# ------------------------------------------------------------------ what sglang-jax answers
+
+def resent(tokens, logps, every):
+    """An answer whose log-probs were resent from offset 0 at every `every`-th token, as
+    sglang-jax 0.1.0rc0 does (every=50; measured with scripts/sglang_conformance.py)."""
+    item = out(tokens, logps, {"type": "length", "length": len(tokens)},
+               completion_tokens=len(tokens))
+    pairs = item["meta_info"]["output_token_logprobs"]
+    item["meta_info"]["output_token_logprobs"] = [list(p) for j in range(every, len(pairs), every)
+                                                  for p in pairs[:j]] + pairs
+    return item
+
+
+@pytest.mark.parametrize("c, every", [(10, 4), (8, 4), (9, 1), (3, 50)])
+def test_resent_logprobs_keep_the_last_completion_tokens(c, every):
+    tokens, logps = [1 + i % 5 for i in range(c)], [-0.1 * (i + 1) for i in range(c)]
+    item = resent(tokens, logps, every)
+    seg = parse_output(item, job(), "retract", max_tokens=10)
+    assert seg["tokens"].tolist() == tokens
+    np.testing.assert_allclose(seg["logps"], logps, rtol=1e-6)
+
+
+def test_resent_logprobs_that_are_not_a_repetition_are_refused():
+    tokens, logps = [1, 2, 3, 4, 5], [-0.1, -0.2, -0.3, -0.4, -0.5]
+    item = resent(tokens, logps, 2)  # lead: [p0, p1] + [p0, p1, p2, p3]
+    item["meta_info"]["output_token_logprobs"][1][0] = -0.25  # one resent value differs
+    with pytest.raises(ProtocolError, match=r"output_token_logprobs: 11 entries for 5 "
+                                            r"completion_tokens.*not resent prefixes"):
+        parse_output(item, job(), "retract")
+    shifted = resent(tokens, logps, 2)
+    shifted["meta_info"]["output_token_logprobs"].insert(0, [-0.9, 7, None])  # a stray entry
+    with pytest.raises(ProtocolError, match="not resent prefixes"):
+        parse_output(shifted, job(), "retract")
+    for bad_count, error in ((None, "no meta_info.completion_tokens"),
+                             (4, "completion_tokens: 4, but the answer has 5 output_ids"),
+                             ("5", "completion_tokens: must be an integer")):
+        item = resent(tokens, logps, 2)
+        item["meta_info"]["completion_tokens"] = bad_count
+        if bad_count is None:
+            del item["meta_info"]["completion_tokens"]
+        with pytest.raises(ProtocolError, match=error):
+            parse_output(item, job(), "retract")
+
+
+def test_no_weight_version_at_all_means_the_version_the_engine_installed():
+    item = out([1, 2], [-1.0, -1.0], {"type": "length", "length": 2})  # no label, no spans
+    seg = parse_output(item, job(sent_version=4), "retract")
+    assert seg["versions"].tolist() == [4, 4] and seg["exact"]
+    j = job(sent_version=4)
+    j.server.version = 5  # the engine refit that server while the request ran
+    seg = parse_output(item, j, "in_place")
+    assert seg["versions"].tolist() == [4, 4] and not seg["exact"]
+    assert seg["kv_versions"].tolist() == [4, 4]
+    item["meta_info"]["weight_version"] = "default"  # an explicit non-integer label: unknown
+    assert parse_output(item, job(sent_version=4), "retract")["versions"].tolist() == [-1, -1]
