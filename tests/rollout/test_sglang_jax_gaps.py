@@ -63,7 +63,7 @@ def test_a_config_that_refits_fails_at_startup_without_the_update_endpoint(serve
     cfg.sglang.urls = (server.url,)
     cfg.sglang.health_deadline_s = 30.0
     with pytest.raises(MissingEndpointError, match="has no /update_weights_from_disk"):
-        make_sglang_engine(cfg, 0, str(tmp_path))
+        make_sglang_engine(cfg, "", 0, str(tmp_path))
     # Sampling alone (no refit) works against such a server.
     with SGLangEngine([server.url], FAST, vocab_size=56, max_seq_len=64) as eng:
         assert eng.generate([request("s", [1, 2], max_new_tokens=2)])[0].finish_reason == "length"
