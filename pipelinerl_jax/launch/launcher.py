@@ -17,10 +17,8 @@
 5. when the learner finishes, stop workers and queue, and plot reward vs wall-clock.
 
 Every address is a config value (`transport.host`, ports; 0 = pick a free port), so the
-same roles run across hosts: `python -m pipelinerl_jax.launch --role=worker --workdir=DIR`
-on a sampler host with the same `config.json`. A multi-host learner calls
-`jax.distributed.initialize()` when `JAX_COORDINATOR_ADDRESS` is set (one learner process
-per host; only process 0 pulls batches and publishes weights).
+same roles run across hosts (docs/multihost.md). `launch.learner_processes=P` starts the
+learner as P `jax.distributed` processes supervised as one group (learner_group.py).
 """
 from __future__ import annotations
 
@@ -34,6 +32,7 @@ from typing import List
 
 from pipelinerl_jax import run_config
 from pipelinerl_jax.launch import roles
+from pipelinerl_jax.launch.learner_group import LearnerGroup
 from pipelinerl_jax.launch.progress import Monitor
 from pipelinerl_jax.launch.supervisor import Child, LaunchError, stop_all, tail
 from pipelinerl_jax.launch.warm_start import warm_start
@@ -77,7 +76,7 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
         queue = roles.child("queue", workdir).start()
         children.append(queue)
         _wait_queue(cfg, queue)
-        learner = roles.child("learner", workdir).start()
+        learner = LearnerGroup(cfg, workdir).start()
         workers = [roles.child("worker", workdir, i).start()
                    for i in range(cfg.rollout.num_workers)]
         children += [learner] + workers
