@@ -32,7 +32,7 @@ from typing import List
 
 from pipelinerl_jax import run_config
 from pipelinerl_jax.launch import roles
-from pipelinerl_jax.launch.learner_group import LearnerGroup
+from pipelinerl_jax.launch.learner_group import LearnerGroup, warm_start_env
 from pipelinerl_jax.launch.progress import Monitor
 from pipelinerl_jax.launch.supervisor import Child, LaunchError, stop_all, tail
 from pipelinerl_jax.launch.warm_start import warm_start
@@ -68,7 +68,8 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        init_ckpt = warm_start(cfg, workdir, progress=progress, stopping=stopping)
+        init_ckpt = warm_start(cfg, workdir, progress=progress, stopping=stopping,
+                               env=warm_start_env(cfg))
         with open(os.path.join(workdir, "init_checkpoint.txt"), "w") as f:
             f.write(init_ckpt)
         if stopping.is_set():

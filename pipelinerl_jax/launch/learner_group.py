@@ -8,7 +8,8 @@ and gives process i the standard variables
 
 and, for CPU devices, `--xla_force_host_platform_device_count=prod(mesh.shape)/P` in its
 `XLA_FLAGS` (its share of the mesh; the flag only affects the CPU platform). Their logs are
-`logs/learner{i}.log`; one process keeps the plain `learner` name.
+`logs/learner{i}.log`; one process keeps the plain `learner` name. The run's SFT warm start,
+one process on the same mesh, gets the whole mesh's CPU device count (`warm_start_env`).
 
 A group is never left half running: the collectives of the survivors would wait for the dead
 process forever. When any process exits with an error, the others are stopped (killed after a
@@ -37,15 +38,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def with_cpu_devices(base: dict, n: int) -> dict:
+    """`base` with `n` CPU devices in its XLA_FLAGS (replacing any device count there)."""
+    env = dict(base)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    env["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={n}"])
+    return env
+
+
 def process_env(base: dict, index: int, count: int, coordinator: str,
                 cpu_devices: int) -> dict:
     """The environment of learner process `index` of `count` (see the module docstring)."""
-    env = dict(base)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_COUNT_FLAG}={cpu_devices}"])
+    env = with_cpu_devices(base, cpu_devices)
     env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(count),
                JAX_PROCESS_ID=str(index))
     return env
+
+
+def warm_start_env(cfg, base: Optional[dict] = None) -> Optional[dict]:
+    """The warm start's environment in a run with a multi-process learner: one SFT process
+    on the whole mesh, so every CPU device of the mesh (None: unchanged, one process)."""
+    if int(cfg.launch.get("learner_processes", 1)) <= 1:
+        return base
+    return with_cpu_devices(dict(os.environ if base is None else base),
+                            math.prod(tuple(cfg.mesh.shape)))
 
 
 class LearnerGroup:

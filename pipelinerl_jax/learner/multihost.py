@@ -214,7 +214,7 @@ class BatchFeed:
         self._exchanges += 1
         barrier(f"batch-{self._exchanges}")
         data = encode_batch(batch) if batch is not None else b""
-        heads = multihost_utils.process_allgather(np.array([int(stop), len(data)], np.int64))
+        heads = multihost_utils.process_allgather(np.array([int(stop), len(data)], np.int32))
         if heads[:, 0].any():
             return None, True  # a pulled batch stays unacknowledged: the queue redelivers it
         size = int(heads[0, 1])

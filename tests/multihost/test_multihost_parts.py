@@ -11,7 +11,7 @@ import pytest
 from pipelinerl_jax import run_config
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.launch import __main__ as role_main
-from pipelinerl_jax.launch.learner_group import LearnerGroup, process_env
+from pipelinerl_jax.launch.learner_group import LearnerGroup, process_env, warm_start_env
 from pipelinerl_jax.launch.standalone import prepare
 from pipelinerl_jax.launch.supervisor import LaunchError
 from pipelinerl_jax.learner import multihost
@@ -88,6 +88,10 @@ def test_each_process_gets_the_standard_jax_variables_and_its_share_of_devices(t
     assert group.cpu_devices == 2  # mesh (2, 2, 1) over 2 processes
     single = LearnerGroup(_config(), str(tmp_path))
     assert [c.name for c in single.children] == ["learner"] and single.children[0].env is None
+    # The warm start is one process on the whole mesh.
+    assert warm_start_env(_config(learner_processes=2), base)["XLA_FLAGS"] == \
+        "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
+    assert warm_start_env(_config(), None) is None
 
 
 def test_learner_processes_must_share_the_mesh_equally():
