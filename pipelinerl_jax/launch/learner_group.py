@@ -81,6 +81,7 @@ class LearnerGroup:
         self.stop_rank = self.children[0].stop_rank
         self.name = "learner"
         self.restarts = 0
+        self._failed: Optional[Child] = None  # the process whose exit took the group down
 
     def start(self) -> "LearnerGroup":
         if self.count > 1:
@@ -111,7 +112,7 @@ class LearnerGroup:
     def restart(self, code: int, limit: int) -> None:
         """Starts the whole group again after a process exited with `code` (poll's); past
         `limit` restarts, LaunchError with the tail of that process's log."""
-        dead = getattr(self, "_failed", self.children[0])
+        dead = self._failed or self.children[0]
         if self.restarts >= limit:
             raise LaunchError(f"{dead.name} exited with {code} and was restarted "
                               f"{self.restarts} times already (limit {limit}):\n"
