@@ -87,6 +87,9 @@ def base_config() -> ml_collections.ConfigDict:
         max_worker_restarts=3, startup_timeout_s=300.0, shutdown_timeout_s=20.0,
         max_queue_restarts=3,  # a restarted queue is empty: workers regenerate what it lost
         max_learner_restarts=0,  # >0: restart in place, resume from the last checkpoint
+        # learner processes (jax.distributed) started on this host, each with an equal share
+        # of the mesh's devices; on real hosts, one per host (docs/multihost.md)
+        learner_processes=1,
     ))
     return c
 
@@ -199,6 +202,10 @@ def validate(cfg) -> None:
     resources.validate_resources(cfg.resources, num_workers=r.num_workers,
                                  sampler_kind=cfg.sampler.kind, mesh_size=math.prod(shape),
                                  environ=os.environ)
+    procs = _int(cfg, "launch.learner_processes", 1)
+    if math.prod(shape) % procs:
+        raise ConfigError("launch.learner_processes", f"{procs} processes cannot share the "
+                          f"{math.prod(shape)} devices of mesh.shape={shape} equally")
     if tok.vocab_size <= 0:
         raise ConfigError("tokenizer", "tokenizer has an empty vocabulary")
 

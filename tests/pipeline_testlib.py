@@ -29,9 +29,17 @@ def make_init_checkpoint(path: str, seed: int = 0) -> str:
     return path
 
 
-def run_train(workdir, *flags, timeout=600, check=True):
+def train_env(extra=None) -> dict:
+    """The environment of a train.py run: this checkout first, one CPU device per process
+    (as in a real run) unless `extra` says otherwise."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)  # one CPU device per process, as in a real run
+    env.pop("XLA_FLAGS", None)
+    env.update(extra or {})
+    return env
+
+
+def run_train(workdir, *flags, timeout=600, check=True, env=None):
+    env = train_env(env)
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
            f"--config={os.path.join(ROOT, 'configs', 'default.py')}:quick",
            f"--workdir={workdir}", *TINY_FLAGS, *flags]
@@ -39,10 +47,9 @@ def run_train(workdir, *flags, timeout=600, check=True):
                          cwd=ROOT)
     if check and out.returncode != 0:
         logs = ""
-        for name in ("learner", "worker0", "queue"):
-            p = os.path.join(workdir, "logs", f"{name}.log")
-            if os.path.exists(p):
-                logs += f"\n--- {name}.log ---\n" + open(p).read()[-3000:]
+        logdir = os.path.join(workdir, "logs")
+        for name in sorted(os.listdir(logdir)) if os.path.isdir(logdir) else []:
+            logs += f"\n--- {name} ---\n" + open(os.path.join(logdir, name)).read()[-3000:]
         raise AssertionError(f"train.py failed ({out.returncode}):\n{out.stderr[-3000:]}{logs}")
     return out
 

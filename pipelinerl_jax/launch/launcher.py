@@ -18,10 +18,8 @@
 5. when the learner finishes, stop workers and queue, and plot reward vs wall-clock.
 
 Every address is a config value (`transport.host`, ports; 0 = pick a free port), so the
-same roles run across hosts: `python -m pipelinerl_jax.launch --role=worker --workdir=DIR`
-on a sampler host with the same `config.json`. A multi-host learner calls
-`jax.distributed.initialize()` when `JAX_COORDINATOR_ADDRESS` is set (one learner process
-per host; only process 0 pulls batches and publishes weights).
+same roles run across hosts (docs/multihost.md). `launch.learner_processes=P` starts the
+learner as P `jax.distributed` processes supervised as one group (learner_group.py).
 """
 from __future__ import annotations
 
@@ -35,6 +33,7 @@ from typing import List
 
 from pipelinerl_jax import resources, run_config
 from pipelinerl_jax.launch import roles
+from pipelinerl_jax.launch.learner_group import LearnerGroup, warm_start_env
 from pipelinerl_jax.launch.progress import Monitor
 from pipelinerl_jax.launch.supervisor import Child, LaunchError, stop_all, tail
 from pipelinerl_jax.launch.warm_start import warm_start
@@ -76,7 +75,7 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
             print(resources.describe(cfg.resources, num_workers=cfg.rollout.num_workers,
                                      sampler_kind=cfg.sampler.kind), flush=True)
         init_ckpt = warm_start(cfg, workdir, progress=progress, stopping=stopping,
-                               env=child_env(cfg, "sft"))
+                               env=warm_start_env(cfg, child_env(cfg, "sft")))
         with open(os.path.join(workdir, "init_checkpoint.txt"), "w") as f:
             f.write(init_ckpt)
         if stopping.is_set():
@@ -84,7 +83,7 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
         queue = roles.child("queue", workdir).start()
         children.append(queue)
         _wait_queue(cfg, queue)
-        learner = roles.child("learner", workdir, env=child_env(cfg, "learner")).start()
+        learner = LearnerGroup(cfg, workdir, env=child_env(cfg, "learner")).start()
         workers = [roles.child("worker", workdir, i, env=child_env(cfg, "worker", i)).start()
                    for i in range(cfg.rollout.num_workers)]
         children += [learner] + workers

@@ -2,11 +2,13 @@
 
     python -m pipelinerl_jax.launch --role=worker --workdir=DIR [--index=I]
 
-Every role reads `DIR/config.json` (the launcher writes it), pins itself to its cores
+Every role reads `DIR/config.json` (the launcher writes it; a role started on its own is
+given its config instead, see __main__.py and standalone.py), pins itself to its cores
 (`resources.*`, pipelinerl_jax/resources.py) before JAX is imported, so XLA sizes its thread
 pool to them, and stops cleanly on SIGTERM. Its accelerators come in its environment (the
 launcher's `resources.role_env`: visible GPUs or TPU chips, a CPU device count). The SFT
-role's DIR is the warm-start directory (`RUN/warm_start`); it writes `DIR/model`. A learner that stops on an exception leaves a `learner_stopped` record
+role's DIR is the warm-start directory (`RUN/warm_start`); it writes `DIR/model`. A learner
+that stops on an exception leaves a `learner_stopped` record
 in `DIR/events.jsonl` first (outcome.py). Hence the imports inside functions here: nothing
 heavy may load before the pinning.
 """
@@ -30,10 +32,11 @@ STOP_RANK = {"worker": 0, "sft": 0, "learner": 1, "queue": 2}
 
 # ============================================================================ parent side
 
-def child(role: str, workdir: str, index: int = 0, env: Optional[dict] = None) -> Child:
+def child(role: str, workdir: str, index: int = 0, env: Optional[dict] = None,
+          name: Optional[str] = None) -> Child:
     """The (not yet started) child process running `role` on `workdir`; its log is
     `workdir/logs/<name>.log` and its starts and exits go to `workdir/events.jsonl`."""
-    name = role if role != "worker" else f"worker{index}"
+    name = name or (role if role != "worker" else f"worker{index}")
     cmd = [sys.executable, "-m", "pipelinerl_jax.launch", f"--role={role}",
            f"--workdir={workdir}", f"--index={index}"]
     return Child(name, cmd, os.path.join(workdir, "logs", f"{name}.log"), env=env,
@@ -42,13 +45,17 @@ def child(role: str, workdir: str, index: int = 0, env: Optional[dict] = None) -
 
 # ============================================================================ child side
 
-def run_role(role: str, workdir: str, index: int = 0) -> int:
-    """Runs `role` in this process until it ends; returns its exit code."""
+def run_role(role: str, workdir: str, index: int = 0, cfg=None,
+             init_checkpoint: Optional[str] = None) -> int:
+    """Runs `role` in this process until it ends; returns its exit code. `cfg` (default:
+    `workdir/config.json`) and `init_checkpoint` (default: `workdir/init_checkpoint.txt`)
+    are given when the role runs without the launcher (standalone.py)."""
     try:
-        return _run_role(role, workdir, index)
+        return _run_role(role, workdir, index, cfg, init_checkpoint)
     except Exception as e:
         if role == "learner":
-            record_learner_stopped(workdir, e)
+            from pipelinerl_jax.learner.multihost import primary_or  # jax: pinned by now
+            primary_or(lambda: record_learner_stopped(workdir, e), None)
         raise
 
 
@@ -66,10 +73,11 @@ def pin(cfg, role: str, index: int = 0) -> List[int]:
     return cores
 
 
-def _run_role(role: str, workdir: str, index: int) -> int:
+def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]) -> int:
     import ml_collections
-    with open(os.path.join(workdir, "config.json")) as f:
-        cfg = ml_collections.ConfigDict(json.load(f))
+    if cfg is None:
+        with open(os.path.join(workdir, "config.json")) as f:
+            cfg = ml_collections.ConfigDict(json.load(f))
     pin(cfg, role, index)
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -92,18 +100,21 @@ def _run_role(role: str, workdir: str, index: int) -> int:
         print(json.dumps(run_sft(cfg, workdir, progress=False, evaluate=sft_evaluator(cfg))),
               flush=True)
         return 0
-    init_ckpt = open(os.path.join(workdir, "init_checkpoint.txt")).read().strip()
+    if init_ckpt is None:
+        with open(os.path.join(workdir, "init_checkpoint.txt")) as f:
+            init_ckpt = f.read().strip()
     if role == "learner":
-        if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-            import jax
-            jax.distributed.initialize()
+        from pipelinerl_jax.learner import multihost
+        multihost.initialize(cfg.launch.get("learner_processes", 1))
         from pipelinerl_jax.learner.loop import run_learner
         from pipelinerl_jax.rollout.evaluator import learner_evaluator
-        from pipelinerl_jax.transport.weight_sink import make_weight_sink
         from pipelinerl_jax.rollout.factory import backend
-        sink = make_weight_sink(backend(cfg.sampler.kind).weight_sink, cfg, workdir,
-                                init_checkpoint=init_ckpt)
-        evaluate = learner_evaluator(cfg, init_ckpt)
+        from pipelinerl_jax.transport.weight_sink import NullSink, make_weight_sink
+        # Process 0 publishes and evaluates (on its own devices); the others hold stand-ins.
+        sink = multihost.primary_or(lambda: make_weight_sink(
+            backend(cfg.sampler.kind).weight_sink, cfg, workdir, init_checkpoint=init_ckpt),
+            NullSink())
+        evaluate = multihost.primary_or(lambda: learner_evaluator(cfg, init_ckpt), None)
         try:
             out = run_learner(cfg, workdir, init_ckpt, stop_event=stop, weight_sink=sink,
                               evaluate=evaluate)

@@ -19,6 +19,11 @@ directory that `CheckpointManager.latest_step()` reports. So a step counts as co
 once `wait()` has seen its save succeed and recorded it in `committed_steps.json` (written
 atomically); `latest_step()` and `restore()` use only recorded steps, and a step directory
 that is not recorded is deleted when the checkpointer opens the directory or its save fails.
+
+Multi-process learners (orbax multi-host): every process opens the same directory (a
+filesystem all learner hosts share) and calls `save`, `wait`, `restore` and `close` at the
+same points; each writes its own shards, and process 0 alone (orbax's primary host) writes
+metadata, deletes steps and writes the commit record.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ def committed_steps(directory: str) -> list:
 class Checkpointer:
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
+        self._primary = jax.process_index() == 0  # orbax's primary host writes shared files
         os.makedirs(self.directory, exist_ok=True)
         self._mngr = ocp.CheckpointManager(
             self.directory,
@@ -80,6 +86,8 @@ class Checkpointer:
         return steps
 
     def _write_record(self, steps) -> None:
+        if not self._primary:
+            return
         tmp = self._record + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"steps": sorted(steps)}, f)
@@ -88,6 +96,8 @@ class Checkpointer:
         os.replace(tmp, self._record)
 
     def _drop_uncommitted(self) -> None:
+        # Every process must see the same steps: orbax's delete is a collective.
+        ocp.multihost.sync_global_processes("pipelinerl:checkpoint_listing")
         self._mngr.reload()
         for step in self._mngr.all_steps(read=True):
             if step not in self._committed:
@@ -140,8 +150,10 @@ class Checkpointer:
     def _error(self, e: Exception) -> CheckpointSaveError:
         step, self._pending = self._pending, None
         self._reported = True
-        try:
-            self._drop_uncommitted()  # a failed save may have left a `<step>` directory
+        try:  # a failed save may have left a `<step>` directory (several processes: the
+            # failure may not reach them all at once, so the next open cleans up)
+            if jax.process_count() == 1:
+                self._drop_uncommitted()
         except Exception:  # noqa: BLE001 - the message matters more than the clean-up
             pass
         last = self.latest_step()
@@ -165,7 +177,7 @@ class Checkpointer:
             jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)))
         versions = meta.get("history_versions") or []
         if versions and history_like is not None:
-            cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             host = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
                                 history_like)
             items["history"] = ocp.args.StandardRestore({f"v{v}": host for v in versions})

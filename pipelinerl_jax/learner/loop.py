@@ -22,6 +22,10 @@ batch is a line of `workdir/batches.jsonl` (what was trained, or skipped, and it
 the audit trail of what the model saw. A queue that is unreachable (restarting) is waited
 for: `get_batch` is retried, and the version is announced again with every call, so a
 restarted, empty queue learns it at once.
+
+A learner may be P processes on one global mesh (`multihost.py`): every process runs this same
+function on the same batch (process 0 pulls it, the others receive it); only process 0 talks
+to the queue, publishes weights and writes files, the others hold stand-ins that do nothing.
 """
 from __future__ import annotations
 
@@ -37,10 +41,9 @@ from flax import nnx
 
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.lag_injection import LagInjector
-from pipelinerl_jax.learner import batching, train_step as ts
+from pipelinerl_jax.learner import batching, multihost, train_step as ts
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
-from pipelinerl_jax.metrics import MetricsWriter, append_jsonl
 from pipelinerl_jax.models import from_pretrained
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, client_kwargs, queue_address
@@ -53,9 +56,9 @@ class TooManySkippedSteps(RuntimeError):
     pass
 
 
-def flat_host_params(params) -> Dict[str, np.ndarray]:
-    """`{"layers/0/attn/q_proj": ndarray}` of a pure-dict param tree (the weight-sync payload)."""
-    host = jax.device_get(params)
+def flat_params(host) -> Dict[str, np.ndarray]:
+    """`{"layers/0/attn/q_proj": ndarray}` of a pure-dict tree of host arrays (the
+    weight-sync payload)."""
     leaves = jax.tree_util.tree_flatten_with_path(host)[0]
     return {sharding_lib.path_name(p): np.asarray(v) for p, v in leaves}
 
@@ -177,6 +180,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     tok = get_tokenizer(cfg.tokenizer)
 
     # ------------------------------------------------------------------ mesh, model, step
+    multihost.check_mesh(cfg.mesh.shape)
     mesh = sharding_lib.make_mesh(tuple(cfg.mesh.shape))
     model = from_pretrained(init_checkpoint, dtype=cfg.model.dtype,
                             param_dtype=cfg.model.param_dtype, mesh=mesh)
@@ -189,6 +193,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                    row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
 
     # ------------------------------------------------------------------ checkpoint restore
+    multihost.barrier("model-built")  # orbax's first collective: every process is ready
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=L.keep_checkpoints)
     step, version, trained, t_offset, history = 0, 0, [], 0.0, {}
     if ckpt.latest_step() is not None:
@@ -199,28 +204,33 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     trained_set = set(trained)
     injector = LagInjector(cfg.lag_injection, history) if cfg.lag_injection.enabled else None
 
-    # ------------------------------------------------------------------ transport
-    client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
-    client.wait_ready(60.0)
-    acks = BatchAcks(client, ckpt)
+    # ------------------------------------------------------------------ transport, outputs
+    # Process 0 talks to the queue and writes the run's files; the others hold stand-ins.
+    queue, files = multihost.primary_or(
+        lambda: (RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport)),
+                 multihost.RunFiles(workdir)),
+        (multihost.NullQueue(), multihost.Silent()))
+    queue.wait_ready(60.0)
+    feed = multihost.BatchFeed(queue)
+    acks = BatchAcks(queue, ckpt)
 
     def publish(version: int) -> Dict[str, np.ndarray]:
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
         it may reach the queue the moment an engine has it). Returns the current params."""
-        flat = flat_host_params(state.params)
+        host = multihost.host_params(state.params)  # all processes: a collective
+        flat = flat_params(host)
         try:
-            client.set_version(version)
+            queue.set_version(version)
         except QueueUnavailable as e:  # restarting: the next get_batch announces it
             log.warning("could not announce version %d to the queue: %s", version, e)
         if injector is None:
             weight_sink.publish(version, flat)
         else:  # version - k's params, with their policy version in the header
-            policy_version, params = injector.ship(version, state.params)
-            weight_sink.publish(version, flat_host_params(params), policy_version)
+            policy_version, params = injector.ship(version, host)
+            weight_sink.publish(version, flat_params(params), policy_version)
         return flat
 
     params_flat = publish(version)
-    writer = MetricsWriter(workdir)
     t0 = time.time() - t_offset
 
     def checkpoint() -> None:
@@ -228,41 +238,36 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                                       "wall_time_s": time.time() - t0},
                         history=None if injector is None else injector.history)
 
-    consecutive_skips, last, queue_errors = 0, {}, 0
-    batch_log = os.path.join(workdir, "batches.jsonl")
+    consecutive_skips, last = 0, {}
     if evaluate is not None and step == 0:
         last = evaluate(params_flat, version)
-        writer.write(0, {"version": version, "wall_time_s": time.time() - t0, **last})
+        files.metrics(0, {"version": version, "wall_time_s": time.time() - t0, **last})
 
     # ------------------------------------------------------------------ loop
-    while step < L.total_steps and not (stop_event is not None and stop_event.is_set()):
+    while step < L.total_steps:
         t_wait = time.time()
-        try:
-            batch = client.get_batch(L.batch_groups, timeout_s=L.get_timeout_s,
-                                     learner_version=version)
-        except QueueUnavailable as e:  # the queue is down or restarting: wait for it
-            queue_errors += 1
-            log.warning("queue unavailable (%s); retrying", e)
-            continue
+        batch, stop = feed.next(L.batch_groups, L.get_timeout_s, version,
+                                stop=stop_event is not None and stop_event.is_set())
+        if stop:
+            break
         if batch is None:
             continue
         wait_s = time.time() - t_wait
         rollouts = sorted(batch.rollouts, key=lambda r: _group_key(r.group_id))
         if batch.batch_id in trained_set:  # committed before a crash: never train twice
-            append_jsonl(batch_log, [batch_record(batch, rollouts, "skipped_committed", step,
-                                                  version)])
+            files.batch(batch_record(batch, rollouts, "skipped_committed", step, version))
             acks.ack([batch.batch_id])
             continue
         packed = batching.pack(rollouts, version, **pack_kw)
         t_step = time.time()
-        state, metrics = step_fn(state, packed.arrays)
+        state, metrics = step_fn(state, ts.place_batch(packed.arrays, mesh))
         metrics = flatten_metrics(jax.device_get(metrics))
         step_s = time.time() - t_step
         skipped = int(metrics["skipped"])
         consecutive_skips = consecutive_skips + 1 if skipped else 0
 
-        append_jsonl(batch_log, [dict(batch_record(batch, rollouts, "trained", step + 1,
-                                                   version), update_skipped=bool(skipped))])
+        files.batch(dict(batch_record(batch, rollouts, "trained", step + 1, version),
+                         update_skipped=bool(skipped)))
         step += 1
         version += 1
         trained.append(batch.batch_id)
@@ -278,13 +283,13 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                   "learner/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
                   "learner/lr": float(schedule(step - 1)), "learner/skipped_steps": skipped,
                   "weight_sync/time_s": sync_s, "queue/redelivered": int(batch.redelivered),
-                  "queue/unavailable_errors": queue_errors}
+                  "queue/unavailable_errors": feed.unavailable}
         record.update(batch_metrics(rollouts, packed, version - 1))
         record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
         if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
             last = evaluate(params_flat, version)
             record.update(last)
-        writer.write(step, record)
+        files.metrics(step, record)
         if step % L.checkpoint_every == 0 or step == L.total_steps:
             checkpoint()
         else:  # the previous save is durable: let the queue forget its batches
@@ -302,7 +307,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
         checkpoint()
     acks.finish()
     ckpt.close()
-    writer.close()
-    append_jsonl(os.path.join(workdir, "learner_done.jsonl"), [{"step": step, "version": version}])
-    client.close()
+    files.close()
+    files.done({"step": step, "version": version})
+    queue.close()
     return {"step": step, "version": version, **last}

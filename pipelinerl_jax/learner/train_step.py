@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.learner.batching import PACKED_KEYS, SEQ_KEYS
 
 
 class TrainState(NamedTuple):
@@ -101,6 +102,23 @@ def state_shardings(state: TrainState):
     return jax.tree.map(lambda x: x.sharding, state)
 
 
+def batch_shardings(mesh: Mesh, rules=sharding_lib.DEFAULT_RULES) -> Dict[str, NamedSharding]:
+    """Sharding of each packed batch array `[chunks, rows, ...]`: rows split over the batch
+    mesh axes."""
+    chunk = NamedSharding(mesh, jax.sharding.PartitionSpec(
+        None, *sharding_lib.logical_to_spec(("batch",), rules)))
+    return {k: chunk for k in PACKED_KEYS + SEQ_KEYS}
+
+
+def place_batch(arrays: Dict[str, Any], mesh: Mesh,
+                rules=sharding_lib.DEFAULT_RULES) -> Dict[str, jax.Array]:
+    """The packed host batch (the same on every process) as global arrays: each process puts
+    only the rows its own devices hold."""
+    shardings = batch_shardings(mesh, rules)
+    return {k: jax.make_array_from_callback(x.shape, shardings[k], lambda idx, x=x: x[idx])
+            for k, x in arrays.items()}
+
+
 def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
                     state_sharding, temperature: float = 1.0, minibatches: int = 1,
                     micro_batches: int = 1, use_proximal: bool = False,
@@ -115,8 +133,6 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
     from pipelinerl_jax.losses import LossInputs
 
     row_sharding = sharding_lib.batch_sharding(mesh, rules)
-    chunk_sharding = NamedSharding(mesh, jax.sharding.PartitionSpec(
-        None, *sharding_lib.logical_to_spec(("batch",), rules)))
 
     def packed_logp(params, mb):
         """Log-probs and entropies of the packed rows, gathered to `[N, C]` sequence rows."""
@@ -185,8 +201,6 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         out["skipped"] = jnp.sum(metrics["skipped"])
         return state, out
 
-    from pipelinerl_jax.learner.batching import PACKED_KEYS, SEQ_KEYS
-    batch_sharding = {k: chunk_sharding for k in PACKED_KEYS + SEQ_KEYS}
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.jit(step, in_shardings=(state_sharding, batch_sharding),
+    return jax.jit(step, in_shardings=(state_sharding, batch_shardings(mesh, rules)),
                    out_shardings=(state_sharding, replicated), donate_argnums=0)

@@ -26,6 +26,10 @@ _MIB = 1 << 20
 def transport_config() -> ConfigDict:
     c = ConfigDict()
     c.host = "127.0.0.1"             # bind + dial host of both services; loopback by default
+    # Roles on separate machines: the queue's and the learner's (weight stream) host, each
+    # the address its server binds and its clients dial; None = `host`.
+    c.queue_host = config_dict.placeholder(str)
+    c.weights_host = config_dict.placeholder(str)
     c.queue_port = 50051
     c.weights_port = 50052
     c.allow_insecure_remote = False  # permit a non-loopback host without token or TLS
@@ -83,6 +87,9 @@ def validate_transport_config(cfg, prefix: str = "transport") -> None:
     v = {name: _checked(prefix, get, cfg, name) for name in defaults.keys()}
     if not isinstance(v["host"], str) or not v["host"]:
         raise ConfigError(k("host"), f"must be a non-empty host name or IP, got {v['host']!r}")
+    for name in ("queue_host", "weights_host"):
+        if v[name] is not None and (not isinstance(v[name], str) or not v[name]):
+            raise ConfigError(k(name), f"must be a host name or IP, or None, got {v[name]!r}")
     for name in ("queue_port", "weights_port"):
         if _checked(prefix, positive_int, cfg, name, allow_zero=True) > 65535:
             raise ConfigError(k(name), f"must be in [0, 65535], got {v[name]}")
@@ -115,10 +122,12 @@ def validate_transport_config(cfg, prefix: str = "transport") -> None:
         raise ConfigError(k("tls_key_file" if v["tls_cert_file"] else "tls_cert_file"),
                           "tls_cert_file and tls_key_file must be set together")
     secured = v["auth_token"] or v["auth_token_file"] or v["tls_cert_file"]
-    if not _is_loopback(v["host"]) and not secured and not v["allow_insecure_remote"]:
-        raise ConfigError(k("host"), f"{v['host']!r} is not a loopback address and neither a "
-                                     "token nor TLS is configured; set auth_token(_file) or "
-                                     "tls_* or allow_insecure_remote=True")
+    remote = [n for n in ("host", "queue_host", "weights_host")
+              if v[n] is not None and not _is_loopback(v[n])]
+    if remote and not secured and not v["allow_insecure_remote"]:
+        raise ConfigError(k(remote[0]), f"{v[remote[0]]!r} is not a loopback address and "
+                          "neither a token nor TLS is configured; set auth_token(_file) or "
+                          "tls_* or allow_insecure_remote=True")
 
 
 # ------------------------------------------------------------------------- helpers
@@ -140,11 +149,11 @@ def tls_from_config(cfg, server: bool) -> Optional[TLSConfig]:
 
 
 def queue_address(cfg) -> str:
-    return f"{cfg.host}:{cfg.queue_port}"
+    return f"{cfg.get('queue_host') or cfg.host}:{cfg.queue_port}"
 
 
 def weights_address(cfg) -> str:
-    return f"{cfg.host}:{cfg.weights_port}"
+    return f"{cfg.get('weights_host') or cfg.host}:{cfg.weights_port}"
 
 
 def client_kwargs(cfg) -> dict:

@@ -97,8 +97,9 @@ class RolloutQueueServer:
     @classmethod
     def from_config(cls, cfg) -> "RolloutQueueServer":
         """From a validated `transport_config()` section."""
-        from pipelinerl_jax.transport.config import limits_from_config, tls_from_config
-        return cls(f"{cfg.host}:{cfg.queue_port}", capacity_rollouts=cfg.capacity_rollouts,
+        from pipelinerl_jax.transport.config import (limits_from_config, queue_address,
+                                                     tls_from_config)
+        return cls(queue_address(cfg), capacity_rollouts=cfg.capacity_rollouts,
                    capacity_bytes=cfg.capacity_bytes, max_lag=cfg.max_lag,
                    stale_policy=cfg.stale_policy,
                    incomplete_group_timeout_s=cfg.incomplete_group_timeout_s,

@@ -6,6 +6,8 @@
 
 - `StreamSink` ('stream'): the flat host arrays over the gRPC weight stream
   (`WeightPublisher`); embedded engines (JaxEngine) install them from memory.
+- `NullSink`: delivers nothing; what every learner process but the first holds in a
+  multi-process learner (exactly one process publishes).
 - `HFDirSink` ('hf_dir'): each version written as a Hugging Face checkpoint directory
   `weights_dir/v{version:08d}` (atomically; all but the newest `sampler.keep_weight_versions`
   deleted), then an empty notification for that version on the same stream; engines that
@@ -58,6 +60,17 @@ class StreamSink:
 
     def close(self) -> None:
         self.publisher.stop()
+
+
+class NullSink:
+    """A sink that delivers nothing (a multi-process learner's non-primary processes)."""
+
+    def publish(self, version: int, params: Params,
+                policy_version: Optional[int] = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class HFDirSink:

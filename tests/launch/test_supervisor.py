@@ -98,7 +98,7 @@ def test_a_learner_that_gives_up_on_non_finite_steps_leaves_a_diverged_record(
     from pipelinerl_jax.learner.loop import TooManySkippedSteps
     workdir = str(tmp_path)
 
-    def fail(role, workdir, index):
+    def fail(role, workdir, index, *_):
         raise TooManySkippedSteps("3 consecutive steps had a non-finite loss or gradient")
     monkeypatch.setattr(roles, "_run_role", fail)
     with pytest.raises(TooManySkippedSteps):
@@ -108,7 +108,7 @@ def test_a_learner_that_gives_up_on_non_finite_steps_leaves_a_diverged_record(
     assert "non-finite" in stop["message"]
     assert outcome.diverged(workdir) and not outcome.diverged(workdir, time.time() + 1)
 
-    def crash(role, workdir, index):
+    def crash(role, workdir, index, *_):
         raise ValueError("TooManySkippedSteps is only a word here")
     monkeypatch.setattr(roles, "_run_role", crash)
     later = time.time()
