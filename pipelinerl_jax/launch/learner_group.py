@@ -24,7 +24,7 @@ import math
 import os
 import signal
 import socket
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from pipelinerl_jax.launch import roles
 from pipelinerl_jax.launch.supervisor import Child, LaunchError, record_event, tail
@@ -100,13 +100,20 @@ class LearnerGroup:
         codes = [c.poll() for c in self.children]
         if all(code == 0 for code in codes):
             return 0
-        failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
-        if failed is None:
+        dead = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if not dead:
             return None
+        # A process killed by a signal is the cause; the others' errors are mostly its effect
+        # (a collective whose peer vanished), and may be seen at the same poll.
+        dead.sort(key=lambda i: (codes[i] >= 0, i))
+        failed = dead[0]
         self._failed = self.children[failed]
         record_event(self.events, "exit", child=self._failed.name, code=codes[failed],
                      restarts=self.restarts)
-        self._stop(self.grace_s, exclude=self._failed)
+        for i in dead[1:]:
+            record_event(self.events, "exit", child=self.children[i].name, code=codes[i],
+                         restarts=self.restarts, reason="group member failed")
+        self._stop(self.grace_s, exclude=[self.children[i] for i in dead])
         return codes[failed]
 
     def restart(self, code: int, limit: int) -> None:
@@ -129,8 +136,8 @@ class LearnerGroup:
         checkpoint), then SIGKILL to whatever runs past `timeout`."""
         self._stop(timeout)
 
-    def _stop(self, timeout: float, exclude: Optional[Child] = None) -> None:
-        live = [c for c in self.children if c is not exclude and c.poll() is None]
+    def _stop(self, timeout: float, exclude: Sequence[Child] = ()) -> None:
+        live = [c for c in self.children if c not in exclude and c.poll() is None]
         for c in live:
             try:
                 c.proc.send_signal(signal.SIGTERM)
@@ -138,6 +145,6 @@ class LearnerGroup:
                 pass
         for c in live:
             c.stop(timeout)
-            if exclude is not None:
+            if exclude:
                 record_event(self.events, "exit", child=c.name, code=c.poll(),
                              restarts=self.restarts, reason="group member failed")
