@@ -43,7 +43,7 @@ import ml_collections
 from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation.grid import RunSpec, expand
 from pipelinerl_jax.launch import launch, outcome
-from pipelinerl_jax.launch.supervisor import Child, tail
+from pipelinerl_jax.launch.supervisor import Child, exit_now, tail, wait_any
 from pipelinerl_jax.launch.warm_start import warm_start
 
 FINAL = ("done", "diverged")
@@ -195,7 +195,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
                     _write_json(os.path.join(run_dir, "launch_config.json"), cfg.to_dict())
                     active[slot] = (r, run_dir, run_child(run_dir, env), how)
                     log(f"  {how:6s} {r.name}" + (f"  [cores {slots[slot]}]" if slots[slot] else ""))
-                time.sleep(1.0)
+                wait_any([p for _, _, p, _ in active.values()], 1.0)  # wakes on an exit
                 for slot, (r, run_dir, p, how) in list(active.items()):
                     code = p.poll()
                     if code is None and time.time() - p.started_at > c.runner.run_timeout_s:
@@ -282,4 +282,4 @@ def _child(role: str, run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], sys.argv[2]))
+    exit_now(_child(sys.argv[1], sys.argv[2]))
