@@ -235,8 +235,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
         writer.write(0, {"version": version, "wall_time_s": time.time() - t0, **last})
 
     # ------------------------------------------------------------------ loop
+    # The wait for a batch runs from the end of the previous step's work to the arrival of the
+    # batch trained next: empty polls, queue outages and redelivered committed batches count.
+    t_wait = time.time()
     while step < L.total_steps and not (stop_event is not None and stop_event.is_set()):
-        t_wait = time.time()
         try:
             batch = client.get_batch(L.batch_groups, timeout_s=L.get_timeout_s,
                                      learner_version=version)
@@ -296,6 +298,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                 f"{consecutive_skips} consecutive steps had a non-finite loss or gradient "
                 f"(learner.max_consecutive_skips={L.max_consecutive_skips}); stopped at step "
                 f"{step} with a checkpoint of the last good state in {ckpt.directory}")
+        t_wait = time.time()
 
     # ------------------------------------------------------------------ end
     if acks.unacked:
