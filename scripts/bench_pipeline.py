@@ -101,11 +101,13 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_pipeline"))
     p.add_argument("--warmup_steps", type=int, default=20,
                    help="steps of the untimed run that fills the XLA cache (0: none)")
-    p.add_argument("--xla_cache", default="",
-                   help="XLA cache every run shares (default OUT/xla_cache)")
+    p.add_argument("--xla_cache", default=os.environ.get("PIPELINERL_JAX_CACHE", ""),
+                   help="XLA cache every run shares (default $PIPELINERL_JAX_CACHE, else "
+                        "OUT/xla_cache)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    cache = os.path.abspath(args.xla_cache or os.path.join(args.out, "xla_cache"))
+    cache = args.xla_cache if args.xla_cache == "off" else os.path.abspath(
+        args.xla_cache or os.path.join(args.out, "xla_cache"))
     env = dict(os.environ, PYTHONPATH=ROOT, PIPELINERL_JAX_CACHE=cache)
 
     warm = args.warm_start
@@ -129,17 +131,18 @@ def main():
     out = {"bench": "pipeline", "target_accuracy": args.target, "steps": args.steps,
            "model_params": params, "matmul_fp32_gflops": round(peak, 1), "xla_cache": cache,
            "warmup": None, "runs": {}}
-    if args.warmup_steps:
+    if args.warmup_steps and cache != "off":  # without a cache every run compiles anyway
         out["warmup"] = warm_up(warm, args.warmup_steps, args.out, env)
         out["warmup"]["cache_entries_after"] = cache_entries(cache)
         print("warmup", json.dumps(out["warmup"]), file=sys.stderr, flush=True)
     for name, flags in variants:
         workdir = os.path.join(args.out, name)
-        before = cache_entries(cache)
+        before, new = cache_entries(cache), None  # None: an earlier invocation's run
         if not os.path.exists(os.path.join(workdir, "summary.json")):
             run(workdir, common + flags, env)
+            new = cache_entries(cache) - before
         out["runs"][name] = summarise(workdir, args.target, params, peak)
-        out["runs"][name]["new_cache_entries"] = cache_entries(cache) - before
+        out["runs"][name]["new_cache_entries"] = new
         print(name, json.dumps(out["runs"][name]), file=sys.stderr, flush=True)
     sync_t = out["runs"]["sync"]["time_to_target_s"]
     out["speedup_vs_sync"] = {
