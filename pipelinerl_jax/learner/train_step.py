@@ -46,9 +46,10 @@ class TrainState(NamedTuple):
 
 # The optimizer's numeric hyperparameters: traced inputs of the step, never compile-time
 # constants, so runs that differ only in them share one compiled step (and one entry of the
-# persistent XLA cache). `warmup_steps` / `decay_steps` count optimizer updates.
-OPTIMIZER_HPARAMS = ("learning_rate", "warmup_steps", "decay_steps", "final_lr_ratio", "b1",
-                     "b2", "eps", "weight_decay", "max_grad_norm")
+# persistent XLA cache). INJECTED go into `optax.inject_hyperparams`' state (the learning
+# rate as the schedule's value); `warmup_steps` / `decay_steps` count optimizer updates.
+INJECTED = ("learning_rate", "b1", "b2", "eps", "weight_decay", "max_grad_norm")
+OPTIMIZER_HPARAMS = INJECTED + ("warmup_steps", "decay_steps", "final_lr_ratio")
 DECAYS = ("cosine", "linear", "constant")
 
 
@@ -98,7 +99,7 @@ class Optimizer:
 
     def update(self, grads, state, params, hp):
         if self.hparams:
-            values = {k: hp[k] for k in ("b1", "b2", "eps", "weight_decay", "max_grad_norm")}
+            values = {k: hp[k] for k in INJECTED}
             values["learning_rate"] = learning_rate(state.count, hp, self.decay)
             state = state._replace(hyperparams=values)
         return self.tx.update(grads, state, params)
@@ -118,7 +119,7 @@ def make_optimizer(cfg) -> Tuple[Optimizer, Callable[[int], float]]:
                    decay_steps=max(max(cfg.total_steps, 1) - cfg.warmup_steps, 1),
                    final_lr_ratio=cfg.final_lr_ratio, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                    weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
-    hparams = {k: float(v) for k, v in hparams.items()}
+    hparams = {k: float(hparams[k]) for k in OPTIMIZER_HPARAMS}
 
     def decay_mask(params):  # no weight decay on norms and biases
         return jax.tree.map(lambda p: p.ndim >= 2, params)
@@ -126,8 +127,7 @@ def make_optimizer(cfg) -> Tuple[Optimizer, Callable[[int], float]]:
     # float32 hyperparameters whatever the parameters' dtype (a bf16 lr would be coarse).
     tx = optax.inject_hyperparams(_clipped_adamw, static_args=("mask",),
                                   hyperparam_dtype=jnp.float32)(
-        **{k: hparams[k] for k in ("learning_rate", "b1", "b2", "eps", "weight_decay",
-                                   "max_grad_norm")}, mask=decay_mask)
+        **{k: hparams[k] for k in INJECTED}, mask=decay_mask)
     opt = Optimizer(tx, hparams, cfg.decay)
     return opt, opt.schedule
 
