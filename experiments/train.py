@@ -9,6 +9,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.launch.supervisor import exit_now
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config.",
                                           lock_config=True)
@@ -24,6 +25,7 @@ def main(argv):
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
     print(json.dumps(summary, indent=2))
+    exit_now(0)  # skips ~1.5 s of tearing down jax & co. at exit (see exit_now)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """Run metrics: a JSONL log, TensorBoard event files, and the reward-vs-time plot.
 
-`MetricsWriter.write(step, scalars)` appends one JSON object to `metrics.jsonl` and the same
-scalars to TensorBoard (`tb/`). Lists (e.g. response lengths) go to JSONL only, histograms of
-them to TensorBoard. See docs/metrics.md for the keys a run writes.
+`MetricsWriter.write(step, scalars)` appends one JSON object to `metrics.jsonl` (with the
+absolute time it was written, `time_unix`) and the same scalars to TensorBoard (`tb/`). Lists
+(e.g. response lengths) go to JSONL only, histograms of them to TensorBoard. See docs/metrics.md for the keys a run writes.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 from typing import Dict, Iterable, List, Optional
 
 import numpy as np
@@ -37,7 +38,9 @@ class MetricsWriter:
             self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
 
     def write(self, step: int, scalars: Dict[str, object]) -> None:
-        record = {"step": int(step)}
+        """Appends `{"step", "time_unix", **scalars}`; `time_unix` (seconds since the epoch,
+        when the row is written) lines rows up with other logs and runs."""
+        record = {"step": int(step), "time_unix": time.time()}
         record.update({k: _jsonable(v) for k, v in scalars.items()})
         self._f.write(json.dumps(record) + "\n")
         if self._tb is None:

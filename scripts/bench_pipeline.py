@@ -2,10 +2,17 @@
 
     python scripts/bench_pipeline.py [--steps 120] [--target 0.5] [--max_lags 1,2,4,8]
                                      [--warm_start PATH] [--out runs/bench_pipeline]
+                                     [--warmup_steps 20] [--xla_cache OUT/xla_cache]
 
 Trains the default warm start once (or takes `--warm_start`), then runs the real pipeline
 (`experiments/train.py`, same processes and the same two cores) in `mode=sync` and in
 `mode=async` at each `max_lag`, all from that checkpoint with the same seed and step budget.
+Before any timed run, a throwaway `--warmup_steps`-step run (the ablation runner's `warmup`)
+fills the XLA compilation cache every run then shares, so no run is charged for compiling:
+on a fresh machine the first (sync) run was otherwise charged ~33 s of it (80.2 s cold vs
+46.8 s warm for 60 steps, which printed a 3.05x async speedup where the warm one is 1.30x).
+The warm-up's time is reported apart (`warmup`), and per run the XLA cache entries it still
+had to add (`new_cache_entries`: 0 means nothing it timed was compiling).
 Held-out evaluation blocks the learner, so its time is subtracted from the wall-clock
 everywhere. Per run it reports: seconds to reach `--target` greedy accuracy (None if never),
 final accuracy, steps/s, mean sampler slot occupancy (time-averaged, idle counted empty),
@@ -29,12 +36,26 @@ def _read(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(workdir, flags):
+def run(workdir, flags, env):
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
            "--config=" + os.path.join(ROOT, "configs", "default.py"), f"--workdir={workdir}",
            *flags]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=ROOT))
+                   stderr=subprocess.DEVNULL, env=env)
+
+
+def cache_entries(cache_dir):
+    return len(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else 0
+
+
+def warm_up(warm, steps, out, env):
+    """The runner's `warmup` of the first (sync) variant: the same config as its timed run."""
+    from configs import default
+    from pipelinerl_jax.ablation.runner import warmup
+    cfg = default.get_config()
+    cfg.warm_start.checkpoint = warm
+    cfg.mode, cfg.max_lag = "sync", 0
+    return warmup(cfg, os.path.join(out, "warmup"), steps, env)
 
 
 def summarise(workdir, target, params, peak_gflops):
@@ -51,7 +72,7 @@ def summarise(workdir, target, params, peak_gflops):
     wait = sum(r["learner/wait_time_s"] for r in steps)
     busy = sum(r["learner/step_time_s"] + r["weight_sync/time_s"] for r in steps)
     tokens = sum(r["learner/tokens"] for r in steps)
-    step_s = sum(r["learner/step_time_s"] for r in steps[1:])  # first step compiles
+    step_s = sum(r["learner/step_time_s"] for r in steps[1:])  # first step loads or compiles
     tok_s = sum(r["learner/tokens"] for r in steps[1:]) / max(step_s, 1e-9)
     occ = [r["sampler/occupancy"] for r in steps if "sampler/occupancy" in r]
     return {
@@ -78,8 +99,16 @@ def main():
     p.add_argument("--eval_every", type=int, default=10)
     p.add_argument("--warm_start", default="")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_pipeline"))
+    p.add_argument("--warmup_steps", type=int, default=20,
+                   help="steps of the untimed run that fills the XLA cache (0: none)")
+    p.add_argument("--xla_cache", default=os.environ.get("PIPELINERL_JAX_CACHE", ""),
+                   help="XLA cache every run shares (default $PIPELINERL_JAX_CACHE, else "
+                        "OUT/xla_cache)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    cache = args.xla_cache if args.xla_cache == "off" else os.path.abspath(
+        args.xla_cache or os.path.join(args.out, "xla_cache"))
+    env = dict(os.environ, PYTHONPATH=ROOT, PIPELINERL_JAX_CACHE=cache)
 
     warm = args.warm_start
     if not warm:
@@ -88,7 +117,7 @@ def main():
             subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "sft.py"),
                             "--config=" + os.path.join(ROOT, "configs", "default.py"),
                             f"--workdir={os.path.dirname(warm)}"], check=True, cwd=ROOT,
-                           env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL)
+                           env=env, stdout=subprocess.DEVNULL)
     from pipelinerl_jax.models import load_config
     from scripts.bench_model import matmul_gflops
     params = load_config(warm).num_params
@@ -100,12 +129,20 @@ def main():
         (f"async_lag{k}", ["--config.mode=async", f"--config.max_lag={k}"])
         for k in map(int, args.max_lags.split(","))]
     out = {"bench": "pipeline", "target_accuracy": args.target, "steps": args.steps,
-           "model_params": params, "matmul_fp32_gflops": round(peak, 1), "runs": {}}
+           "model_params": params, "matmul_fp32_gflops": round(peak, 1), "xla_cache": cache,
+           "warmup": None, "runs": {}}
+    if args.warmup_steps and cache != "off":  # without a cache every run compiles anyway
+        out["warmup"] = warm_up(warm, args.warmup_steps, args.out, env)
+        out["warmup"]["cache_entries_after"] = cache_entries(cache)
+        print("warmup", json.dumps(out["warmup"]), file=sys.stderr, flush=True)
     for name, flags in variants:
         workdir = os.path.join(args.out, name)
+        before, new = cache_entries(cache), None  # None: an earlier invocation's run
         if not os.path.exists(os.path.join(workdir, "summary.json")):
-            run(workdir, common + flags)
+            run(workdir, common + flags, env)
+            new = cache_entries(cache) - before
         out["runs"][name] = summarise(workdir, args.target, params, peak)
+        out["runs"][name]["new_cache_entries"] = new
         print(name, json.dumps(out["runs"][name]), file=sys.stderr, flush=True)
     sync_t = out["runs"]["sync"]["time_to_target_s"]
     out["speedup_vs_sync"] = {

@@ -15,8 +15,10 @@ changes that go together: a loss and its hyperparameters, `mode=sync` with `max_
 values as text); `--config.axes.lag.levels=(0,8)` replaces a sweep's levels.
 
 `expand(c)` returns one `RunSpec` per point of the product of the axes, in a deterministic
-order; the run is named from its labels (`lag=8,loss=tis,seed=0`) and its directory is that
-name with filesystem-safe characters. The seed axis (`c.seed_axis`) is the one the summary
+order, and refuses a grid whose runs would not share the warm start (`SHARED_SECTIONS`) or the
+held-out evaluation set (`EVAL_KEYS`: the same problems in every cell, whatever its seed). A
+run is named from its labels (`lag=8,loss=tis,seed=0`) and its directory is that name with
+filesystem-safe characters. The seed axis (`c.seed_axis`) is the one the summary
 averages over: a *cell* is a run's labels without it.
 """
 from __future__ import annotations
@@ -29,10 +31,14 @@ from typing import Dict, List, Sequence, Tuple
 import ml_collections
 
 from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config import get as config_get
 
 
 # Sections every run must share: they decide what the one shared warm start is.
 SHARED_SECTIONS = ("model", "tokenizer", "task", "warm_start")
+# Keys every run must share so that every cell is evaluated on the same held-out problems
+# (with the task section, which fixes them: a task's eval problems never depend on the seed).
+EVAL_KEYS = ("learner.eval_size",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +189,13 @@ def expand(c: ml_collections.ConfigDict) -> List[RunSpec]:
             if cfg[sec].to_dict() != c.experiment[sec].to_dict():
                 raise ConfigError("axes", f"run {name} changes the {sec!r} section, but every "
                                   f"run starts from one shared warm start; run a grid per {sec}")
+        for key in EVAL_KEYS:
+            value, base = config_get(cfg, key), config_get(c.experiment, key)
+            if value != base:
+                raise ConfigError(key, f"run {name} evaluates on {value!r} where the grid's "
+                                       f"experiment has {base!r}: every cell of a grid must be "
+                                       f"evaluated on the same held-out set; set it in "
+                                       f"experiment, not on an axis")
         try:
             run_config.validate(cfg)
         except ConfigError as e:

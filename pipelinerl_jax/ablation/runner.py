@@ -43,7 +43,7 @@ import ml_collections
 from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation.grid import RunSpec, expand
 from pipelinerl_jax.launch import launch, outcome
-from pipelinerl_jax.launch.supervisor import Child, tail
+from pipelinerl_jax.launch.supervisor import Child, exit_now, tail, wait_any
 from pipelinerl_jax.launch.warm_start import warm_start
 
 FINAL = ("done", "diverged")
@@ -150,7 +150,8 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
              runs: Optional[List[RunSpec]] = None) -> dict:
     """Runs every unfinished run of the grid `c` under `workdir`, then writes the tables.
 
-    Returns {"runs": n, "ran": [...], "skipped": [...], "failed": [...], "wall_s": s}."""
+    Returns {"runs": n, "ran": [...], "skipped": [...], "failed": [...], "wall_s": s,
+    "warmup_s": s (of it, the compile warm-up's)}."""
     from pipelinerl_jax.ablation import results
     workdir = os.path.abspath(workdir)
     os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
@@ -166,15 +167,15 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
             todo.append(r)
     log(f"{len(runs)} runs: {len(skipped)} already finished, {len(todo)} to run "
         f"({c.runner.parallel} at a time)")
-    ran, failed = [], []
+    ran, failed, warmup_s = [], [], 0.0
     if todo:
         env = _env(c, workdir)
         exp = ml_collections.ConfigDict(c.experiment.to_dict())
         run_config.validate(exp)
         ckpt = warm_start(run_config.resolve(exp), workdir, progress=False, env=env,
                           timeout_s=c.runner.warm_start_timeout_s, log=log)
-        if c.runner.warmup_steps and env.get("PIPELINERL_JAX_CACHE"):
-            _warmup(c, workdir, todo[0], ckpt, env, log)
+        if c.runner.warmup_steps and env.get("PIPELINERL_JAX_CACHE") != "off":
+            warmup_s = _warmup(c, workdir, todo[0], ckpt, env, log)
         slots = split_cores(available_cores(c.runner.cores), c.runner.parallel) \
             if c.runner.parallel > 1 and c.runner.pin else [None] * c.runner.parallel
         free = list(range(c.runner.parallel))
@@ -195,7 +196,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
                     _write_json(os.path.join(run_dir, "launch_config.json"), cfg.to_dict())
                     active[slot] = (r, run_dir, run_child(run_dir, env), how)
                     log(f"  {how:6s} {r.name}" + (f"  [cores {slots[slot]}]" if slots[slot] else ""))
-                time.sleep(1.0)
+                wait_any([p for _, _, p, _ in active.values()], 1.0)  # wakes on an exit
                 for slot, (r, run_dir, p, how) in list(active.items()):
                     code = p.poll()
                     if code is None and time.time() - p.started_at > c.runner.run_timeout_s:
@@ -216,31 +217,43 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
             raise
     tables = results.write_tables(workdir, c.analysis)
     out = {"runs": len(runs), "ran": ran, "skipped": skipped, "failed": failed,
-           "wall_s": time.time() - t_start, **tables}
+           "wall_s": time.time() - t_start, "warmup_s": warmup_s, **tables}
     _write_json(os.path.join(workdir, "grid_run.json"), out)
     return out
 
 
-def _warmup(c, workdir: str, first: RunSpec, ckpt: str, env: dict, log) -> None:
-    """A throwaway run of `runner.warmup_steps` steps of the grid's first run, before any
-    timed run, so that the XLA cache holds its compiled functions and no timed run pays for
-    compiling them (the first run of a wall-clock comparison would otherwise be charged
-    tens of seconds the others are not)."""
-    d = os.path.join(workdir, "warmup")
-    if os.path.exists(os.path.join(d, "summary.json")):
-        return
-    shutil.rmtree(d, ignore_errors=True)
-    os.makedirs(d)
+def warmup(cfg: ml_collections.ConfigDict, directory: str, steps: int, env: dict,
+           timeout_s: float = 3600.0) -> dict:
+    """A throwaway run of `steps` learner steps of experiment `cfg` in `directory`, so that
+    XLA's persistent cache (`env`'s PIPELINERL_JAX_CACHE) holds its compiled programs (train
+    step buckets, engine and evaluator) before any timed run: otherwise the first run of a
+    wall-clock comparison is charged tens of seconds of compiling the others are not.
+    Returns {"steps", "wall_s", "exit_code"}; skipped (wall_s 0) when `directory` holds a
+    finished warm-up. Shared by the grid runner and the benchmarks."""
+    if os.path.exists(os.path.join(directory, "summary.json")):
+        return {"steps": steps, "wall_s": 0.0, "exit_code": 0}
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg.learner.total_steps = steps
+    cfg.learner.eval_every = steps  # the evaluator compiles too
+    cfg.learner.checkpoint_every = steps
+    _write_json(os.path.join(directory, "launch_config.json"), cfg.to_dict())
+    t0 = time.time()
+    code = run_child(directory, env).wait(timeout_s, grace=STOP_GRACE_S)
+    return {"steps": steps, "wall_s": round(time.time() - t0, 1), "exit_code": code}
+
+
+def _warmup(c, workdir: str, first: RunSpec, ckpt: str, env: dict, log) -> float:
+    """`warmup` of the grid's first run before any timed run; returns its seconds."""
     cfg = ml_collections.ConfigDict(first.config.to_dict())
     cfg.warm_start.checkpoint = ckpt
-    cfg.learner.total_steps = c.runner.warmup_steps
-    cfg.learner.eval_every = c.runner.warmup_steps  # the evaluator compiles too
-    cfg.learner.checkpoint_every = c.runner.warmup_steps
-    _write_json(os.path.join(d, "launch_config.json"), cfg.to_dict())
-    t0 = time.time()
-    code = run_child(d, env).wait(c.runner.run_timeout_s, grace=STOP_GRACE_S)
-    log(f"  warmup ({c.runner.warmup_steps} steps of {first.name}, fills the XLA cache; not a "
-        f"result) exit {code} in {time.time() - t0:.0f} s")
+    out = warmup(cfg, os.path.join(workdir, "warmup"), c.runner.warmup_steps, env,
+                 c.runner.run_timeout_s)
+    if out["wall_s"]:
+        log(f"  warmup ({out['steps']} steps of {first.name}, fills the XLA cache; not a "
+            f"result) exit {out['exit_code']} in {out['wall_s']:.0f} s")
+    return out["wall_s"]
 
 
 def run_outcome(run_dir: str, code: int, since: float) -> str:
@@ -282,4 +295,4 @@ def _child(role: str, run_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1], sys.argv[2]))
+    exit_now(_child(sys.argv[1], sys.argv[2]))

@@ -13,6 +13,7 @@ import os
 import sys
 
 from pipelinerl_jax.launch.roles import ROLES, run_role
+from pipelinerl_jax.launch.supervisor import exit_now
 
 
 def parse_args(argv=None):
@@ -69,4 +70,4 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    sys.exit(code)
+    exit_now(code)

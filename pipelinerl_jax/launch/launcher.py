@@ -5,9 +5,10 @@
 1. validate the config (before any process starts) and write `workdir/config.json`;
 2. warm start (warm_start.py): SFT on the task's demonstrations in a child process, unless a
    checkpoint is given or already in the workdir (`workdir/warm_start/model`);
-3. start the queue server, the learner and `rollout.num_workers` workers (roles.py), each
-   pinned to its cores and given its own accelerators in its environment
-   (`resources.learner_devices` / `resources.sampler_devices`; pipelinerl_jax/resources.py);
+3. start the queue server, the learner and `rollout.num_workers` workers (roles.py) at once
+   (learner and workers wait for the queue), each pinned to its cores and given its own
+   accelerators in its environment (`resources.learner_devices` / `resources.sampler_devices`;
+   pipelinerl_jax/resources.py);
 4. watch them: show a progress bar fed by `metrics.jsonl` (progress.py); restart a child that
    dies, up to `launch.max_{worker,queue,learner}_restarts` times (a restarted queue comes
    back empty on the same address: clients reconnect, workers regenerate what it lost; a
@@ -80,21 +81,24 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
             f.write(init_ckpt)
         if stopping.is_set():
             raise KeyboardInterrupt
+        # The learner and the workers wait for the queue themselves: start them with it,
+        # so their start-up (imports, model load) overlaps the queue's.
         queue = roles.child("queue", workdir).start()
         children.append(queue)
-        _wait_queue(cfg, queue)
         learner = LearnerGroup(cfg, workdir, env=child_env(cfg, "learner")).start()
         workers = [roles.child("worker", workdir, i, env=child_env(cfg, "worker", i)).start()
                    for i in range(cfg.rollout.num_workers)]
         children += [learner] + workers
+        _wait_queue(cfg, queue)
         monitor = Monitor(workdir, cfg.learner.total_steps) if progress else None
         while True:
             if stopping.is_set():
                 raise KeyboardInterrupt
             if monitor is not None:
                 monitor.update()
-            code = learner.poll()
+            code = learner.poll(timeout=0.5)  # returns the moment the learner exits
             if code == 0:
+                learner.exited(code)
                 break
             if code is not None:
                 learner.restart(code, cfg.launch.max_learner_restarts)
@@ -106,7 +110,6 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
                 code = w.poll()
                 if code is not None:
                     w.restart(code, cfg.launch.max_worker_restarts)
-            time.sleep(0.5)
         if monitor is not None:
             monitor.close()
     except KeyboardInterrupt:

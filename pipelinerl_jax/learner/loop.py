@@ -244,8 +244,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
         files.metrics(0, {"version": version, "wall_time_s": time.time() - t0, **last})
 
     # ------------------------------------------------------------------ loop
+    # The wait for a batch runs from the end of the previous step's work to the arrival of the
+    # batch trained next: empty polls, queue outages and redelivered committed batches count.
+    t_wait = time.time()
     while step < L.total_steps:
-        t_wait = time.time()
         batch, stop = feed.next(L.batch_groups, L.get_timeout_s, version,
                                 stop=stop_event is not None and stop_event.is_set())
         if stop:
@@ -301,6 +303,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                 f"{consecutive_skips} consecutive steps had a non-finite loss or gradient "
                 f"(learner.max_consecutive_skips={L.max_consecutive_skips}); stopped at step "
                 f"{step} with a checkpoint of the last good state in {ckpt.directory}")
+        t_wait = time.time()
 
     # ------------------------------------------------------------------ end
     if acks.unacked:

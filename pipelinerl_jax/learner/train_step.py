@@ -1,7 +1,11 @@
 """The learner's train state, optimizer and jitted, sharded train step.
 
-The step is a pure function `(state, batch) -> (state, metrics)`, jitted once per sequence
-bucket with explicit in/out shardings over the mesh and the state donated (big_vision style).
+The step is a pure function `(state, batch, hparams) -> (state, metrics)`, jitted once per
+sequence bucket with explicit in/out shardings over the mesh and the state donated (big_vision
+style). `hparams` holds the numeric hyperparameters of the optimizer (learning rate and its
+schedule, Adam's betas, ...) and of the loss (clip ranges, caps, kl_coef) as float32 scalars:
+traced, so a sweep over them reuses one compiled step (in-process and in XLA's persistent
+cache) instead of compiling one per value.
 Inside one step:
 
   1. optional proximal log-probs: with `minibatches == 1` the proximal policy *is* the
@@ -20,10 +24,12 @@ sees one sequence per row through a gather, so padding costs almost nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple
+import dataclasses
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -39,29 +45,92 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 optimizer steps applied
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-    """AdamW with linear warmup then `decay` ('cosine' | 'linear' | 'constant'), clipped."""
-    lr, warmup, total = cfg.learning_rate, cfg.warmup_steps, max(cfg.total_steps, 1)
-    end = lr * cfg.final_lr_ratio
-    if cfg.decay == "cosine":
-        decay = optax.cosine_decay_schedule(lr, max(total - warmup, 1), alpha=cfg.final_lr_ratio)
-    elif cfg.decay == "linear":
-        decay = optax.linear_schedule(lr, end, max(total - warmup, 1))
-    elif cfg.decay == "constant":
-        decay = optax.constant_schedule(lr)
+# The optimizer's numeric hyperparameters: traced inputs of the step, never compile-time
+# constants, so runs that differ only in them share one compiled step (and one entry of the
+# persistent XLA cache). INJECTED go into `optax.inject_hyperparams`' state (the learning
+# rate as the schedule's value); `warmup_steps` / `decay_steps` count optimizer updates.
+INJECTED = ("learning_rate", "b1", "b2", "eps", "weight_decay", "max_grad_norm")
+OPTIMIZER_HPARAMS = INJECTED + ("warmup_steps", "decay_steps", "final_lr_ratio")
+DECAYS = ("cosine", "linear", "constant")
+
+
+def learning_rate(count, hp, decay: str):
+    """The learning rate of update `count` (0-based) from traced `hp`: linear warmup from
+    lr / warmup_steps to lr, then `decay` over `decay_steps` to lr · final_lr_ratio
+    (cosine or linear) or none. The arithmetic of optax's `join_schedules(linear_schedule,
+    cosine_decay_schedule | linear_schedule | constant_schedule)`, which this replaces."""
+    lr, warmup, n = hp["learning_rate"], hp["warmup_steps"], hp["decay_steps"]
+    c = jnp.asarray(count, jnp.float32)
+    start = lr / jnp.maximum(warmup, 1.0)
+    warm = (start - lr) * (1 - jnp.clip(c, 0, warmup) / jnp.maximum(warmup, 1.0)) + lr
+    t = c - warmup
+    if decay == "cosine":
+        alpha = hp["final_lr_ratio"]
+        cosine = 0.5 * (1 + jnp.cos(jnp.pi * jnp.minimum(t, n) / n))
+        after = lr * ((1 - alpha) * cosine + alpha)
+    elif decay == "linear":
+        end = lr * hp["final_lr_ratio"]
+        after = (lr - end) * (1 - jnp.clip(t, 0, n) / n) + end
     else:
-        raise ConfigError("learner.optimizer.decay", f"unknown schedule {cfg.decay!r}")
-    schedule = optax.join_schedules(
-        [optax.linear_schedule(lr / max(warmup, 1), lr, warmup), decay], [warmup])
+        after = lr
+    return jnp.where(c < warmup, warm, after)
+
+
+def _clipped_adamw(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, mask):
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                       optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
+                                   weight_decay=weight_decay, mask=mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """An optax transformation whose numeric hyperparameters are traced inputs of the step.
+
+    `hparams`: the configured values (host floats) of `OPTIMIZER_HPARAMS`, the defaults the
+    step is called with. `update(grads, state, params, hp)` first writes this update's values
+    (the learning rate from the schedule at the state's update count) into the state of
+    `optax.inject_hyperparams`. With `hparams` empty, `tx` is used as it is: its
+    hyperparameters are the constants it closes over (and `hp` is ignored)."""
+    tx: optax.GradientTransformation
+    hparams: Dict[str, float] = dataclasses.field(default_factory=dict)
+    decay: str = "constant"
+
+    def init(self, params):
+        return self.tx.init(params)
+
+    def update(self, grads, state, params, hp):
+        if self.hparams:
+            values = {k: hp[k] for k in INJECTED}
+            values["learning_rate"] = learning_rate(state.count, hp, self.decay)
+            state = state._replace(hyperparams=values)
+        return self.tx.update(grads, state, params)
+
+    def schedule(self, count) -> float:
+        """The learning rate of update `count` (host side, for logging)."""
+        return float(learning_rate(count, self.hparams, self.decay))
+
+
+def make_optimizer(cfg) -> Tuple[Optimizer, Callable[[int], float]]:
+    """AdamW with linear warmup then `decay` ('cosine' | 'linear' | 'constant'), clipped by
+    global norm; returns it and its learning-rate schedule (count -> lr)."""
+    if cfg.decay not in DECAYS:
+        raise ConfigError("learner.optimizer.decay", f"unknown schedule {cfg.decay!r}; "
+                                                     f"valid: {list(DECAYS)}")
+    hparams = dict(learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                   decay_steps=max(max(cfg.total_steps, 1) - cfg.warmup_steps, 1),
+                   final_lr_ratio=cfg.final_lr_ratio, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                   weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+    hparams = {k: float(hparams[k]) for k in OPTIMIZER_HPARAMS}
 
     def decay_mask(params):  # no weight decay on norms and biases
         return jax.tree.map(lambda p: p.ndim >= 2, params)
 
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.max_grad_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                    weight_decay=cfg.weight_decay, mask=decay_mask),
-    ), schedule
+    # float32 hyperparameters whatever the parameters' dtype (a bf16 lr would be coarse).
+    tx = optax.inject_hyperparams(_clipped_adamw, static_args=("mask",),
+                                  hyperparam_dtype=jnp.float32)(
+        **{k: hparams[k] for k in INJECTED}, mask=decay_mask)
+    opt = Optimizer(tx, hparams, cfg.decay)
+    return opt, opt.schedule
 
 
 def logp_and_entropy(logits, targets, temperature):
@@ -119,13 +188,45 @@ def place_batch(arrays: Dict[str, Any], mesh: Mesh,
             for k, x in arrays.items()}
 
 
+class TrainStep:
+    """The jitted step `(state, batch, hparams) -> (state, metrics)` with its default traced
+    hyperparameters bound: `step(state, batch)` runs with the configured values,
+    `step(state, batch, hparams)` runs the same executable with others.
+
+    `hparams` = {"optimizer": {name: float32 scalar}, "loss": {name: float32 scalar}}: the
+    optimizer's `OPTIMIZER_HPARAMS` and the loss's `traced_hparams` (clip ranges, caps,
+    kl_coef, ...). Structural choices (loss name, aggregation, schedule kind, minibatches,
+    shapes) are compiled in; these values are not."""
+
+    def __init__(self, jitted, hparams: dict, sharding):
+        self.jitted = jitted
+        self.hparams = jax.device_put(hparams_tree(hparams), sharding)
+        self._sharding = sharding
+
+    def __call__(self, state, batch, hparams: Optional[dict] = None):
+        hp = self.hparams if hparams is None else jax.device_put(hparams_tree(hparams),
+                                                                 self._sharding)
+        return self.jitted(state, batch, hp)
+
+    def __getattr__(self, name):  # lower, _cache_size, ... of the jitted function
+        return getattr(self.jitted, name)
+
+
+def hparams_tree(hparams: dict) -> dict:
+    """{"optimizer": {...}, "loss": {...}} of float32 scalars (numpy), from host numbers."""
+    return {group: {k: np.float32(v) for k, v in values.items()}
+            for group, values in hparams.items()}
+
+
 def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
                     state_sharding, temperature: float = 1.0, minibatches: int = 1,
                     micro_batches: int = 1, use_proximal: bool = False,
                     token_weighted: bool = True, rules=sharding_lib.DEFAULT_RULES):
-    """Returns the jitted `(state, batch) -> (state, metrics)` step.
+    """Returns the jitted step (a `TrainStep`: `step(state, batch[, hparams])`).
 
-    `loss_fn(LossInputs) -> (loss, metrics)` from `pipelinerl_jax.losses`. `batch` is
+    `loss_fn(LossInputs, hparams) -> (loss, metrics)` from `pipelinerl_jax.losses`, its
+    numeric hyperparameters traced (`loss_fn.traced_hparams`); `optimizer` from
+    `make_optimizer` (or an `Optimizer` wrapping a plain optax transformation). `batch` is
     `batching.pack(..., chunks=minibatches * micro_batches)`'s arrays: packed rows
     `[chunks, R, T]` for the model and per-sequence `[chunks, N/chunks, C]` for the loss.
     One jit compilation per distinct R (row bucket).
@@ -143,7 +244,7 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         idx = mb["gather_idx"]
         return jnp.take(logp.reshape(-1), idx), jnp.take(entropy.reshape(-1), idx)
 
-    def micro_loss(params, mb):
+    def micro_loss(params, mb, loss_hp):
         logp, entropy = packed_logp(params, mb)
         if not use_proximal:
             proximal = None
@@ -155,11 +256,11 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
                             logp_proximal=proximal, advantages=mb["advantages"],
                             loss_mask=mb["loss_mask"], lag=mb["lag"],
                             entropy=jax.lax.stop_gradient(entropy))
-        return loss_fn(inputs)
+        return loss_fn(inputs, loss_hp)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def minibatch_update(state: TrainState, micro):
+    def minibatch_update(state: TrainState, micro, hp):
         """One optimizer update from the micro-batches `micro` (leading dim M)."""
         tokens = jnp.sum(micro["loss_mask"], axis=(1, 2))
         weights = (tokens / jnp.maximum(jnp.sum(tokens), 1.0) if token_weighted
@@ -167,21 +268,22 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
         def body(acc, xs):
             one, w = xs
-            (loss, metrics), grads = grad_fn(state.params, one)
+            (loss, metrics), grads = grad_fn(state.params, one, hp["loss"])
             acc_grads, acc_loss, acc_metrics = acc
             acc_grads = jax.tree.map(lambda a, g: a + w * g, acc_grads, grads)
             acc_metrics = jax.tree.map(lambda a, m: a + w * m, acc_metrics, metrics)
             return (acc_grads, acc_loss + w * loss, acc_metrics), None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        metrics_shape = jax.eval_shape(lambda: micro_loss(state.params, first)[1])
+        metrics_shape = jax.eval_shape(lambda: micro_loss(state.params, first, hp["loss"])[1])
         zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
         (grads, loss, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
 
         grad_norm = optax.global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params,
+                                            hp["optimizer"])
         new_params = optax.apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
         new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
@@ -190,17 +292,21 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         metrics.update(loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
         return new_state, metrics
 
-    def step(state: TrainState, batch: Dict[str, jax.Array]):
+    def step(state: TrainState, batch: Dict[str, jax.Array], hp):
         batch = dict(batch)
         if use_proximal and minibatches > 1:  # fixed once, before the first update (AReaL)
             frozen = jax.lax.stop_gradient(state.params)
             batch["logp_proximal"] = jax.lax.map(lambda mb: packed_logp(frozen, mb)[0], batch)
         split = lambda x: x.reshape((minibatches, micro_batches) + x.shape[1:])  # noqa
-        state, metrics = jax.lax.scan(minibatch_update, state, jax.tree.map(split, batch))
+        state, metrics = jax.lax.scan(lambda st, mb: minibatch_update(st, mb, hp), state,
+                                      jax.tree.map(split, batch))
         out = {k: jnp.mean(v, axis=0) for k, v in metrics.items()}  # over minibatches
         out["skipped"] = jnp.sum(metrics["skipped"])
         return state, out
 
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.jit(step, in_shardings=(state_sharding, batch_shardings(mesh, rules)),
-                   out_shardings=(state_sharding, replicated), donate_argnums=0)
+    jitted = jax.jit(step, in_shardings=(state_sharding, batch_shardings(mesh, rules),
+                                         replicated),
+                     out_shardings=(state_sharding, replicated), donate_argnums=0)
+    hparams = {"optimizer": dict(optimizer.hparams), "loss": dict(loss_fn.traced_hparams)}
+    return TrainStep(jitted, hparams, replicated)

@@ -5,10 +5,13 @@ A loss returns `Terms`: ℓ `[B, T]`, the normaliser mask (the trained tokens un
 which trained tokens it masked (ℓ = 0, still in the normaliser) or excluded. `gspo` is
 sequence-level and returns its scalar directly. Notation: see `core`; r = π_θ/π_old,
 w = π_old/μ, ρ = π_θ/μ. Quantities under sg are held fixed when differentiating.
+
+Numeric hyperparameters may be traced scalars (one compiled loss serves every value), so a
+loss never branches in Python on their values; only None (an unset option) and strings are
+structural.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -59,7 +62,7 @@ def tis(x: Prepared, cap: float, level: str) -> Terms:
     log_rho = sg(x.logp - x.logp_mu)
     if level == "sequence":
         log_rho = jnp.broadcast_to(jnp.sum(x.m * log_rho, axis=1, keepdims=True), log_rho.shape)
-    log_cap = math.log(cap)
+    log_cap = jnp.log(jnp.asarray(cap, jnp.float32))
     # exp(min(log ρ, log cap)) == min(ρ, cap) and cannot overflow.
     weight = jnp.exp(jnp.minimum(log_rho, log_cap))
     return Terms(ell=-weight * x.adv * x.logp, clip_high=log_rho > log_cap)

@@ -3,7 +3,9 @@
 Every loss takes `agg` and `max_tokens` (except `gspo`, which is always a mean over rows) and
 the KL penalty `kl_coef` / `kl_estimator`. Construction validates everything and fails with a
 `ConfigError` keyed `loss.<hparam>` (or `loss.name`) that lists what is valid; the returned
-function is pure and jittable: `loss_fn(LossInputs) -> (loss, metrics)`.
+function is pure and jittable: `loss_fn(LossInputs, hparams=None) -> (loss, metrics)`, its
+numeric hyperparameters optionally traced inputs (`hparams`), so that a sweep over them
+compiles once.
 
 A loss also declares what it needs from the learner: `LossSpec.proximal` (its `logp_old` is
 the proximal policy when one is given), so `learner.recompute_proximal='auto'` reads it here.
@@ -156,10 +158,18 @@ def _check_shapes(inputs: LossInputs) -> None:
             raise ValueError(f"LossInputs.{field}: shape {value.shape} != logp's {shape}")
 
 
+def traced_values(hp: dict) -> dict:
+    """The numeric hyperparameters of resolved `hp` (name -> float): what a loss takes as
+    traced inputs. Strings (agg, level, schedule, kl_estimator) and unset optional numbers
+    (None) are structural and stay compile-time constants."""
+    return {k: float(v) for k, v in hp.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def get_loss(name: str, *, diagnostics: bool = True,
-             **hparams) -> Callable[[LossInputs], tuple]:
+             **hparams) -> Callable[..., tuple]:
     """The loss `name` with `hparams` (defaults for the rest), as a pure jittable function
-    `loss_fn(inputs: LossInputs) -> (scalar loss, metrics: dict[str, Array])`.
+    `loss_fn(inputs: LossInputs, hparams=None) -> (scalar loss, metrics: dict[str, Array])`.
 
     The loss is the aggregated policy term plus `kl_coef` times the aggregated KL estimate to
     `inputs.logp_ref` (a non-zero kl_coef requires logp_ref). `metrics` holds `loss`, `pg_loss`,
@@ -168,17 +178,33 @@ def get_loss(name: str, *, diagnostics: bool = True,
     `diagnostics.compute` (per-lag-bucket ones as `lag/<name>` float32[6] vectors; see
     `diagnostics.flatten_metrics`). `loss_fn.name` / `loss_fn.hparams` (resolved: defaults
     filled in) / `loss_fn.needs_proximal` record what was built, for the learner to read.
+
+    `loss_fn.traced_hparams` (name -> float) are its numeric hyperparameters (clip ranges,
+    caps, tau, kl_coef, ...). The call's `hparams` (a dict of some of those names, e.g. float32
+    scalars traced by jit) replaces their values, so one compiled function serves every value;
+    without it they are the constants given here. Whether the KL term is added at all is
+    decided here (kl_coef > 0), as are the structural choices; passed values are not
+    re-validated.
     """
     hp = resolve_hparams(name, **hparams)
     spec = LOSSES[name]
-    term_hp = {key: hp[key] for key in spec.hparams}
-    agg, max_tokens = hp.get("agg", "seq_mean_token_mean"), hp.get("max_tokens")
+    traced = traced_values(hp)
+    agg = hp.get("agg", "seq_mean_token_mean")
+    use_kl = hp["kl_coef"] > 0
 
-    def loss_fn(inputs: LossInputs):
+    def loss_fn(inputs: LossInputs, hparams: Optional[dict] = None):
         _check_shapes(inputs)
+        values = dict(hp)
+        if hparams:
+            unknown = set(hparams) - set(traced)
+            if unknown:
+                raise ValueError(f"loss {name!r}: {sorted(unknown)} are not traced "
+                                 f"hyperparameters of it; those are {sorted(traced)}")
+            values.update(hparams)
         x = prepare(inputs)
-        terms = spec.fn(x, **term_hp)
+        terms = spec.fn(x, **{key: values[key] for key in spec.hparams})
         norm = x.m if terms.norm is None else terms.norm
+        max_tokens = values.get("max_tokens")
         pg = terms.loss if terms.loss is not None else aggregate(terms.ell, norm, agg, max_tokens)
         loss, metrics = pg, {}
         if inputs.logp_ref is not None:
@@ -186,9 +212,9 @@ def get_loss(name: str, *, diagnostics: bool = True,
             kl = aggregate(kl_to_reference(x.logp, ref, hp["kl_estimator"]), norm, agg,
                            max_tokens)
             metrics["kl_ref"] = sg(kl)
-            if hp["kl_coef"] > 0:
-                loss = loss + hp["kl_coef"] * kl
-        elif hp["kl_coef"] > 0:
+            if use_kl:
+                loss = loss + values["kl_coef"] * kl
+        elif use_kl:
             raise ConfigError("loss.kl_coef", f"is {hp['kl_coef']} but LossInputs.logp_ref is "
                                               f"None; pass reference log-probs or set 0")
         metrics.update(loss=sg(loss), pg_loss=sg(pg))
@@ -205,5 +231,6 @@ def get_loss(name: str, *, diagnostics: bool = True,
 
     loss_fn.name = name
     loss_fn.hparams = dict(hp)
+    loss_fn.traced_hparams = traced
     loss_fn.needs_proximal = spec.proximal
     return loss_fn

@@ -426,6 +426,7 @@ class WeightSubscriber:
         self._cv = threading.Condition()
         self._latest, self._publisher_id = -1, ""
         self._closed = False
+        self._closing = threading.Event()  # wakes a reconnect backoff at close
         self._call = None
         # Observability (read without locks; ints are updated atomically under the GIL).
         self.receiving: tuple[int, int, int] = (-1, 0, 0)  # (version, bytes so far, total)
@@ -488,7 +489,7 @@ class WeightSubscriber:
             if self._closed:
                 break
             self.reconnects += 1
-            time.sleep(self._retry.delay(attempt))
+            self._closing.wait(self._retry.delay(attempt))
             attempt += 1
 
     def _apply(self, header: pb.WeightHeader, params: dict) -> None:
@@ -510,6 +511,7 @@ class WeightSubscriber:
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
+        self._closing.set()
         call = self._call
         if call is not None:
             call.cancel()

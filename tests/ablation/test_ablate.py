@@ -184,3 +184,32 @@ def test_a_run_diverged_only_when_its_learner_recorded_so(tmp_path):
     assert runner.run_outcome(d, 0, since=0.0) == "done"
     # A record of an earlier attempt says nothing about this one.
     assert runner.run_outcome(d, 1, since=time.time() + 1) == "failed"
+
+
+def test_warmup_runs_a_short_copy_once_and_times_it(tmp_path, monkeypatch):
+    """The compile warm-up shared by the runner and the benchmarks: a throwaway run of the
+    given config cut to `steps` (evaluating and checkpointing at its end, so the evaluator
+    compiles too), in its own directory, skipped once it has finished."""
+    started = []
+
+    class FakeChild:
+        def __init__(self, d):
+            self.d = d
+
+        def wait(self, timeout_s, grace):
+            json.dump({}, open(os.path.join(self.d, "summary.json"), "w"))
+            return 0
+
+    def fake_run_child(d, env):
+        started.append((d, env))
+        return FakeChild(d)
+    monkeypatch.setattr(runner, "run_child", fake_run_child)
+    e = _tiny_experiment()
+    d = str(tmp_path / "warmup")
+    out = runner.warmup(e, d, 5, {"PIPELINERL_JAX_CACHE": "/x"})
+    assert out["exit_code"] == 0 and out["steps"] == 5 and out["wall_s"] >= 0
+    cfg = json.load(open(os.path.join(d, "launch_config.json")))
+    assert cfg["learner"]["total_steps"] == cfg["learner"]["eval_every"] == 5
+    assert cfg["learner"]["checkpoint_every"] == 5 and cfg["seed"] == e.seed
+    assert started == [(d, {"PIPELINERL_JAX_CACHE": "/x"})]
+    assert runner.warmup(e, d, 5, {})["wall_s"] == 0 and len(started) == 1  # done: skipped

@@ -116,3 +116,44 @@ def test_a_learner_that_gives_up_on_non_finite_steps_leaves_a_diverged_record(
         roles.run_role("learner", workdir)
     assert [e["reason"] for e in outcome.learner_stops(workdir, later)] == ["error"]
     assert not outcome.diverged(workdir, later)
+
+
+def test_exit_now_finishes_what_python_would_then_skips_finalization(tmp_path):
+    """A role's process ends as a normal exit would (non-daemon threads joined, idle
+    executor workers woken, atexit handlers run, output flushed) with its exit code, but
+    without tearing down native libraries (seconds for a JAX process)."""
+    done = tmp_path / "done"
+    code = ("import atexit, concurrent.futures, sys, threading, time\n"
+            "from pipelinerl_jax.launch.supervisor import exit_now\n"
+            "concurrent.futures.ThreadPoolExecutor(1).submit(lambda: None).result()  # idle\n"
+            f"def late(): time.sleep(0.3); open({str(done)!r}, 'a').write('thread\\n')\n"
+            "threading.Thread(target=late).start()\n"
+            f"atexit.register(lambda: open({str(done)!r}, 'a').write('atexit\\n'))\n"
+            "sys.stdout.write('buffered, no newline')\n"
+            "exit_now(3)\n")
+    c = _child(tmp_path, "role", code).start()
+    assert c.wait(30.0, interval=0.05) == 3
+    assert done.read_text().split() == ["thread", "atexit"]
+    assert tail(c.log_path).endswith("buffered, no newline")
+
+
+def test_stop_records_how_long_the_child_took(tmp_path):
+    events = str(tmp_path / "events.jsonl")
+    c = _child(tmp_path, "w", "import time; print('up', flush=True); time.sleep(120)",
+               events=events).start()
+    _wait_for_line(c.log_path, "up")
+    c.stop(10.0)
+    c.exited(c.poll())
+    start, stop, exit_ = _events(tmp_path)
+    assert (stop["event"], stop["child"], stop["killed"]) == ("stop", "w", False)
+    assert 0 <= stop["seconds"] < 10 and stop["code"] == -15
+    assert (exit_["event"], exit_["code"]) == ("exit", -15)
+
+
+def test_poll_with_a_timeout_returns_as_soon_as_the_child_exits(tmp_path):
+    c = _child(tmp_path, "quick", "import time; time.sleep(0.2)").start()
+    t0 = time.time()
+    assert c.poll(timeout=30.0) == 0 and time.time() - t0 < 10
+    slow = _child(tmp_path, "slow", "import time; time.sleep(120)").start()
+    assert slow.poll(timeout=0.1) is None
+    slow.stop(5.0)
