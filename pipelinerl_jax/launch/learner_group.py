@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import socket
+import time
 from typing import List, Optional, Sequence
 
 from pipelinerl_jax.launch import roles
@@ -94,10 +95,16 @@ class LearnerGroup:
             c.start()
         return self
 
-    def poll(self) -> Optional[int]:
+    def poll(self, timeout: float = 0.0) -> Optional[int]:
         """None while running; 0 once every process exited 0; else the first failure's exit
-        code, after the other processes were stopped."""
-        codes = [c.poll() for c in self.children]
+        code, after the other processes were stopped. Waits up to `timeout` s for a process
+        to exit (returning as soon as one does, like `Child.poll`)."""
+        deadline = time.time() + timeout
+        while True:
+            codes = [c.poll() for c in self.children]
+            if time.time() >= deadline or any(code is not None for code in codes):
+                break
+            self.children[0].poll(min(0.05, max(0.0, deadline - time.time())))
         if all(code == 0 for code in codes):
             return 0
         dead = [i for i, code in enumerate(codes) if code not in (None, 0)]
@@ -115,6 +122,12 @@ class LearnerGroup:
                          restarts=self.restarts, reason="group member failed")
         self._stop(self.grace_s, exclude=[self.children[i] for i in dead])
         return codes[failed]
+
+    def exited(self, code: int) -> None:
+        """Records the group's clean exit (`code` 0 from `poll`): one event per process;
+        a failed exit was recorded by `poll` already."""
+        for c in self.children:
+            c.exited(c.poll() if c.poll() is not None else code)
 
     def restart(self, code: int, limit: int) -> None:
         """Starts the whole group again after a process exited with `code` (poll's); past
