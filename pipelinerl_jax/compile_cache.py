@@ -22,7 +22,7 @@ def enable(directory: str | None = None) -> str | None:
     directory = directory or os.environ.get("PIPELINERL_JAX_CACHE") or DEFAULT_DIR
     if directory.lower() in ("off", "0", "none", "false"):
         return None
-    import jax
+    import jax  # late: callers pin cores before JAX loads
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError:

@@ -121,7 +121,7 @@ def param_specs(model_or_state, rules=DEFAULT_RULES) -> dict:
 
 def create_model(cfg, mesh: Optional[Mesh] = None, seed: int = 0, rules=DEFAULT_RULES):
     """A randomly initialised `Decoder` whose parameters are born in their shardings."""
-    from pipelinerl_jax.models.model import Decoder
+    from pipelinerl_jax.models.model import Decoder  # cycle: models import sharding
 
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(seed)))
     graphdef, abs_state = nnx.split(abstract)

@@ -338,7 +338,7 @@ def _learner_idle_series(r: Run):
 
 
 def _sim_base():
-    from pipelinerl_jax.sim.config import build_setup, default_config
+    from pipelinerl_jax.sim.config import build_setup, default_config  # --sim figures only
     c = default_config()
     c.hardware.preset, c.model.preset = "cpu", "tiny"
     c.devices, c.split.samplers, c.split.trainers = 2, 1, 1
@@ -352,7 +352,7 @@ def occupancy_vs_sim(runs: Sequence[Run], out: str) -> dict:
     """Sampler slot occupancy and learner idle fraction over time for one sync and one async
     run (the async one with the largest max_lag), measured (thin: raw, thick: 10 s mean)
     beside the simulator calibrated from that run's own logs (`sim.calibrate`)."""
-    from pipelinerl_jax.sim import plots as sim_plots
+    from pipelinerl_jax.sim import plots as sim_plots  # --sim figures only
     from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run
     from pipelinerl_jax.sim.pipeline import simulate
     cands = [r for r in runs if not _injected(r)

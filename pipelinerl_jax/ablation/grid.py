@@ -163,7 +163,7 @@ def expand(c: ml_collections.ConfigDict) -> List[RunSpec]:
 
     Each run's experiment config is validated (`run_config.validate`) here, so a grid with a
     bad point fails before anything starts."""
-    from pipelinerl_jax import run_config
+    from pipelinerl_jax import run_config  # heavy (engines, JAX): configs import grid
     if not c.axes.keys():
         raise ConfigError("axes", "no axes: an ablation needs at least one (e.g. seed)")
     names = sorted(c.axes.keys())

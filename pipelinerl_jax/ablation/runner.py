@@ -41,6 +41,7 @@ from typing import List, Optional
 import ml_collections
 
 from pipelinerl_jax import run_config
+from pipelinerl_jax.ablation import results
 from pipelinerl_jax.ablation.grid import RunSpec, expand
 from pipelinerl_jax.launch import launch, outcome
 from pipelinerl_jax.launch.supervisor import Child, exit_now, tail, wait_any
@@ -78,7 +79,7 @@ def run_status(run_dir: str) -> str:
 
 def committed_checkpoints(run_dir: str) -> List[int]:
     """Steps with a committed learner checkpoint (`learner.checkpoint.committed_steps`)."""
-    from pipelinerl_jax.learner.checkpoint import committed_steps
+    from pipelinerl_jax.learner.checkpoint import committed_steps  # heavy: orbax, JAX
     return committed_steps(os.path.join(run_dir, "checkpoints"))
 
 
@@ -93,9 +94,8 @@ def split_cores(cores: List[int], n: int) -> List[str]:
 
 
 def available_cores(spec: str) -> List[int]:
-    from pipelinerl_jax.run_config import parse_cores
     if spec:
-        return parse_cores(spec, "runner.cores")
+        return run_config.parse_cores(spec, "runner.cores")
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
@@ -152,7 +152,6 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
 
     Returns {"runs": n, "ran": [...], "skipped": [...], "failed": [...], "wall_s": s,
     "warmup_s": s (of it, the compile warm-up's)}."""
-    from pipelinerl_jax.ablation import results
     workdir = os.path.abspath(workdir)
     os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
     runs = runs if runs is not None else expand(c)

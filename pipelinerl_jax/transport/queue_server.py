@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
+from pipelinerl_jax.transport.config import limits_from_config, queue_address, tls_from_config
 from pipelinerl_jax.transport.codec import InvalidRollout, Limits, validate_rollout
 from pipelinerl_jax.transport.queue_core import (
     GroupRejected, NoVersionYet, QueueCore, QueueFull, SessionSuperseded)
@@ -97,8 +98,6 @@ class RolloutQueueServer:
     @classmethod
     def from_config(cls, cfg) -> "RolloutQueueServer":
         """From a validated `transport_config()` section."""
-        from pipelinerl_jax.transport.config import (limits_from_config, queue_address,
-                                                     tls_from_config)
         return cls(queue_address(cfg), capacity_rollouts=cfg.capacity_rollouts,
                    capacity_bytes=cfg.capacity_bytes, max_lag=cfg.max_lag,
                    stale_policy=cfg.stale_policy,
