@@ -9,7 +9,9 @@ Generation. One HTTP `POST /generate` per request (servers run with `--skip-toke
 we send `input_ids` and read `output_ids`). A request's `n` samples go in SGLang's batched
 form: `n` copies of the prompt, each with a rid of its own and, when the request has a seed,
 its own `sampling_seed` (SGLang's seeded sampler hashes (seed, position), so copies sharing
-one seed would be identical). `sampling_params.n` is never sent: SGLang gives the children of
+one seed would be identical; unseeded copies get engine-drawn seeds, which a server ignores
+unless it runs with deterministic sampling, where copies without one would be identical).
+`sampling_params.n` is never sent: SGLang gives the children of
 such a request fresh rids (`tokenizer_manager.py` `_handle_batch_request`, `regenerate_rid()`)
 and forgets the parent's, so no `/abort_request` could reach them and `abort()` / `close()`
 would leave them generating. The answer is a flat list, prompt-major. Requests are not merged
@@ -118,6 +120,7 @@ class SGLangEngine(ServerFleet, InferenceEngine):
         self._outbox: collections.deque = collections.deque()
         self._failures: Dict[str, str] = {}  # request id -> message (4xx, protocol)
         self._live: Dict[str, List[Sample]] = {}  # request id -> its unfinished samples
+        self._seed_rng = np.random.default_rng()  # unseeded n>1 copies (submit)
         self._aborted: set = set()
         self._paused = self._closed = False
         self._job_seq = 0
@@ -176,6 +179,9 @@ class SGLangEngine(ServerFleet, InferenceEngine):
         if p.seed is not None:  # one sampling_seed per sample (see module docstring)
             seeds = [int(np.random.default_rng([int(p.seed) % 2**63, i]).integers(2**31))
                      for i in range(n)]
+        elif n > 1:  # distinct copies also on a server with deterministic sampling on, where
+            # an unseeded copy samples with the same default seed (sglang-jax, measured)
+            seeds = [int(s) for s in self._seed_rng.integers(2**31, size=n)]
         samples = [Sample(request, i, prompt, seeds[i], max_new, now) for i in range(n)]
         with self._cv:
             self._check_open()

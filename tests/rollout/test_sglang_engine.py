@@ -289,6 +289,21 @@ def test_abort_of_an_unseeded_request_stops_every_sample_on_the_server(fresh):
     assert all(c.finish_reason == "abort" and len(c.token_ids) == 5 for c in got.values())
 
 
+def test_unseeded_copies_carry_distinct_engine_drawn_seeds(fresh):
+    """sglang-jax with deterministic sampling (needed for seeds to reproduce) samples every
+    unseeded copy with the same default seed: the n samples of a group were identical
+    (measured by scripts/sglang_conformance.py). The engine draws one seed per copy."""
+    proc = fresh["retract"]
+    proc.configure(auto_step=False)
+    with engine_for(proc) as eng:
+        eng.submit(request("d", [1, 2, 3], max_new_tokens=4, n=3))
+        seeds = [smp.seed for smp in eng._live["d"]]
+        eng.submit(request("one", [1, 2, 3], max_new_tokens=4, n=1))
+        single = eng._live["one"][0].seed
+    assert None not in seeds and len(set(seeds)) == 3
+    assert single is None  # a lone sample keeps the server's own sampling
+
+
 def test_close_stops_an_unseeded_request_on_the_server(fresh):
     proc = fresh["retract"]
     proc.configure(auto_step=False)
