@@ -24,19 +24,29 @@ def get_config(arg: str = ""):
     c.env.max_turns = 0  # the task's default: max_hops + 2
     c.env.max_turn_tokens = 12
     c.env.max_episode_tokens = 96
+    # At temperature 1 the warm-started model succeeds in ~7% of sampled episodes (34%
+    # greedy) and RL taught it to run on past the stop token; sampling cooler, penalising
+    # truncated episodes and dropping all-equal groups (DAPO) keeps the signal useful.
+    c.sampling.temperature = 0.7
+    c.env.truncated_reward = -0.5
+    c.env.dynamic_sampling = True
     c.model.max_seq_len = 96
     c.engine.max_seq_len = 96
     c.engine.max_slots = 64
     c.rollout.group_size = 8
     c.rollout.advantage.estimator = "grpo"
     c.loss.name = "tis"
-    c.learner.batch_groups = 8
-    c.learner.total_steps = 150
-    c.learner.optimizer.learning_rate = 1e-4
+    c.learner.batch_groups = 16
+    c.learner.total_steps = 300
+    c.learner.optimizer.learning_rate = 2e-4
+    c.learner.optimizer.decay = "cosine"
+    c.learner.optimizer.total_steps = c.learner.total_steps
     c.learner.eval_every = 25
     c.learner.eval_size = 256
     c.learner.checkpoint_every = 50
-    c.warm_start.steps = 150
+    # The supervised curve has a sharp step (0% held-out success at 150 steps, ~72% at 200):
+    # 180 steps lands on it.
+    c.warm_start.steps = 180
     c.resources.learner_cores = "0"
     c.resources.sampler_cores = "1"
     if arg == "quick":  # a minute-scale smoke run of the same pipeline
@@ -48,6 +58,7 @@ def get_config(arg: str = ""):
         c.learner.batch_groups = 2
         c.rollout.group_size = 4
         c.engine.max_slots = 16
+        c.env.dynamic_sampling = False  # a barely trained model's groups are mostly all-equal
     elif arg:
         raise ValueError(f"unknown config argument {arg!r} (valid: '', 'quick')")
     return c

@@ -301,7 +301,7 @@ class RolloutWorker:
     def finish_episodes(self, g: GroupResult) -> None:
         """A finished group of episodes (environment mode): dropped (failed, or all-equal
         rewards under dynamic sampling) and replaced, or scored and put on the queue."""
-        problem, slot = self._inflight.pop(g.group_id)
+        _, slot = self._inflight.pop(g.group_id)
         why = drop_reason(g, self.cfg.env.dynamic_sampling)
         if why is not None:
             self._release(slot)  # a replacement takes its place in the batch
