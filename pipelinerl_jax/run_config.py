@@ -1,6 +1,7 @@
 """The experiment config: every section in one `ConfigDict`, validated in one place.
 
-`base_config()` assembles the sections each package owns (model, tokenizer, task, one per
+`base_config()` assembles the sections each package owns (model, tokenizer, task, env (the
+environment's keys when `task.name` is one: `pipelinerl_jax.envs`), one per
 engine backend of `rollout/factory.BACKENDS`, loss, transport, ...) plus the pipeline's own
 (mode, max_lag, learner, rollout, resources, lag_injection); `configs/*.py` start from it.
 `validate(config)` runs before any process starts and raises one `ConfigError` naming the
@@ -31,6 +32,7 @@ def optimizer_config(**kw) -> ml_collections.ConfigDict:
 
 
 def base_config() -> ml_collections.ConfigDict:
+    from pipelinerl_jax.envs import env_config
     from pipelinerl_jax.losses import advantage_config, loss_config
     from pipelinerl_jax.models.factory import model_config
     from pipelinerl_jax.rollout.factory import BACKENDS
@@ -45,6 +47,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = model_config()
     c.tokenizer = tokenizer_config()
     c.task = task_config()
+    c.env = env_config()  # used when task.name is an environment (multi-turn episodes)
+    del c.env["name"]  # task.name picks it
     c.sampler = ml_collections.ConfigDict(dict(
         kind="jax",  # a row of rollout/factory.BACKENDS: 'jax' (embedded) | 'sglang' (HTTP)
         weights_dir="",  # where versions are written for 'sglang'; "" = WORKDIR/weights
@@ -108,12 +112,40 @@ def _int(cfg, key, lo=0):
     return node
 
 
+def completion_tokens(cfg) -> int:
+    """The longest completion a rollout may have (the learner's and the queue's bound):
+    `sampling.max_new_tokens`, or for an environment the episode token budget
+    (`env.max_episode_tokens`, 0 = `engine.max_seq_len`), prompt included."""
+    from pipelinerl_jax.envs import is_env_task
+    if is_env_task(cfg):
+        return int(cfg.env.max_episode_tokens or cfg.engine.max_seq_len)
+    return int(cfg.sampling.max_new_tokens)
+
+
+def _validate_episode_budget(cfg, task, tok) -> None:
+    """An environment's limits against the engine's context (errors name the key)."""
+    budget_key = "env.max_episode_tokens" if cfg.env.max_episode_tokens else "engine.max_seq_len"
+    budget = completion_tokens(cfg)
+    if budget > cfg.engine.max_seq_len:
+        raise ConfigError("env.max_episode_tokens", f"{budget} exceeds engine.max_seq_len="
+                                                    f"{cfg.engine.max_seq_len}")
+    try:
+        task.stop_token_ids(tok)
+    except ValueError as e:
+        raise ConfigError("task.name", str(e)) from None
+    if cfg.tokenizer.kind == "char":  # sizes in characters are exact
+        need = task.max_prompt_chars + 1 + task.max_completion_tokens
+        if need > budget:
+            raise ConfigError(budget_key, f"{budget} cannot hold the longest correct episode "
+                              f"of {cfg.task.name!r} ({need} tokens with its prompt)")
+
+
 def validate(cfg) -> None:
     """Checks the whole experiment config; raises `ConfigError` naming the first bad key."""
+    from pipelinerl_jax.envs import build_task, is_env_task
     from pipelinerl_jax.losses import validate_advantage_config, validate_loss_config
     from pipelinerl_jax.models.factory import validate_model_config
     from pipelinerl_jax.rollout.factory import BACKENDS
-    from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
     from pipelinerl_jax.transport import validate_transport_config
 
@@ -124,7 +156,7 @@ def validate(cfg) -> None:
     _int(cfg, "max_lag")
     validate_model_config(cfg.model, "model")
     tok = get_tokenizer(cfg.tokenizer)
-    task = get_task(cfg.task)
+    task = build_task(cfg)
     if cfg.sampler.kind not in BACKENDS:
         raise ConfigError("sampler.kind", f"must be one of {tuple(BACKENDS)}, "
                                           f"got {cfg.sampler.kind!r}")
@@ -133,7 +165,7 @@ def validate(cfg) -> None:
     for kind, b in BACKENDS.items():  # every section, so a switch of kind finds no surprise
         b.validate(cfg, selected=kind == cfg.sampler.kind)
     validate_loss_config(cfg.loss)
-    validate_advantage_config(cfg.rollout.advantage, cfg.sampling.max_new_tokens)
+    validate_advantage_config(cfg.rollout.advantage, completion_tokens(cfg))
     validate_transport_config(cfg.transport, "transport")
 
     s = cfg.sampling
@@ -144,7 +176,9 @@ def validate(cfg) -> None:
         raise ConfigError("sampling.top_p", f"must be in (0, 1], got {s.top_p!r}")
     _int(cfg, "sampling.top_k")
     prompt_tokens = task.max_prompt_chars + 1 if cfg.tokenizer.kind == "char" else None
-    if prompt_tokens and prompt_tokens + s.max_new_tokens > cfg.engine.max_seq_len:
+    if is_env_task(cfg):
+        _validate_episode_budget(cfg, task, tok)
+    elif prompt_tokens and prompt_tokens + s.max_new_tokens > cfg.engine.max_seq_len:
         raise ConfigError("engine.max_seq_len", f"{cfg.engine.max_seq_len} cannot hold the "
                           f"task's longest prompt ({prompt_tokens} tokens) plus "
                           f"sampling.max_new_tokens={s.max_new_tokens}")
@@ -220,6 +254,6 @@ def resolve(cfg) -> ml_collections.ConfigDict:
         cfg.transport.max_lag = None  # the lag is prescribed; nothing is stale by accident
     else:
         cfg.transport.max_lag = 0 if cfg.mode == "sync" else cfg.max_lag
-    cfg.transport.max_completion_tokens = cfg.sampling.max_new_tokens
+    cfg.transport.max_completion_tokens = completion_tokens(cfg)
     cfg.transport.max_prompt_tokens = cfg.engine.max_seq_len
     return cfg

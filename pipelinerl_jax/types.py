@@ -59,6 +59,11 @@ class Rollout:
 
     `group_id` ties the `group_size` samples of one prompt together: the queue only ever
     delivers whole groups, so group-normalised advantages stay valid.
+
+    A multi-turn episode (`pipelinerl_jax.envs`) is one rollout whose completion interleaves
+    model turns and environment replies: `loss_mask` is 1 on model tokens and 0 on env tokens
+    (None = all ones: a single-turn completion) and `turn_index` the turn each token belongs
+    to (None for a single turn). Provenance on env tokens is neutral (see `envs.episode`).
     """
     prompt_ids: np.ndarray  # int32 [P]
     completion_ids: np.ndarray  # int32 [C]
@@ -77,3 +82,5 @@ class Rollout:
     start_time: float = 0.0
     finish_time: float = 0.0
     metrics: dict = dataclasses.field(default_factory=dict)  # str -> float, e.g. {"correct": 1.0}
+    loss_mask: Optional[np.ndarray] = None  # uint8 [C] in {0, 1}, at least one 1; None = all 1
+    turn_index: Optional[np.ndarray] = None  # int32 [C] >= 0, non-decreasing; None = one turn

@@ -9,7 +9,10 @@ Modules: `base` (the interface: `Environment`, `EnvReply`, `ModelTurn`, `EnvTask
 (`EpisodeRunner`, `Episode`), `groups` (`GroupRunner`, `run_group`, `GroupSampler`: dynamic
 sampling), `tools` (the tool thread pool and reply checks), `calculator`, `kv_lookup`.
 
-The `env` config section is flat like `task`: every environment's keys are present, only the
+In a run config, `task.name` picks what is trained: a single-turn task (`tasks.REGISTRY`) or
+an environment (`REGISTRY` here; the names are disjoint), whose keys then come from the run
+config's `env` section (`build_task(cfg)`, `is_env_task(cfg)`); that section has no `name`.
+The `env` section is flat like `task`: every environment's keys are present, only the
 chosen one's are validated and used, and unknown keys are errors. Runner limits:
 `max_turns` (0 = the task's default), `max_turn_tokens`, `max_episode_tokens` (0 = the
 engine's `max_seq_len`), `max_env_tokens`, `tool_timeout_s`, `tool_threads`; and
@@ -30,19 +33,24 @@ from pipelinerl_jax.envs.groups import (GroupResult, GroupRunner, GroupSampler, 
                                         run_group)
 from pipelinerl_jax.envs.kv_lookup import KVLookupTask
 from pipelinerl_jax.envs.runner import Episode, EpisodeRunner, TurnRecord
-from pipelinerl_jax.tasks.base import nested
+from pipelinerl_jax import tasks
+from pipelinerl_jax.tasks.base import Task, nested
 
 __all__ = [
     "EnvReply", "EnvTask", "Environment", "ModelTurn", "encode_demonstration",
     "final_answer_reply", "last_line", "CalculatorTask", "KVLookupTask", "Episode",
     "EpisodeRunner", "TurnRecord", "GroupResult", "GroupRunner", "GroupSampler", "drop_reason",
     "run_group", "REGISTRY", "env_config", "get_env_task", "runner_options", "make_runner",
+    "is_env_task", "build_task",
 ]
 
 REGISTRY: dict[str, Callable[[Any, str], EnvTask]] = {
     "calculator": calculator.from_config,
     "kv_lookup": kv_lookup.from_config,
 }
+if set(REGISTRY) & set(tasks.REGISTRY):  # `task.name` must say unambiguously which it is
+    raise ValueError(f"environment names {sorted(set(REGISTRY) & set(tasks.REGISTRY))} are "
+                     "also single-turn task names")
 RUNNER_DEFAULTS = {"max_turns": 0, "max_turn_tokens": 32, "max_episode_tokens": 0,
                    "max_env_tokens": 64, "tool_timeout_s": 10.0, "tool_threads": 16,
                    "dynamic_sampling": False}
@@ -90,3 +98,21 @@ def make_runner(cfg: Any, engine, tokenizer, task: EnvTask | None = None, prefix
     """An `EpisodeRunner` for the `env` section; `sampling`: temperature, top_p, top_k."""
     task = task if task is not None else get_env_task(cfg, prefix)
     return EpisodeRunner(engine, tokenizer, task, **runner_options(cfg, prefix), **sampling)
+
+
+def is_env_task(cfg: Any) -> bool:
+    """Whether a run config's `task.name` names an environment (multi-turn episodes)."""
+    return cfglib.get(cfg, "task.name") in REGISTRY
+
+
+def build_task(cfg: Any) -> Task:
+    """The task a run config trains (ConfigError names the key): the environment `task.name`
+    configured by the `env` section (an `EnvTask`), or the single-turn task of `task`."""
+    if not is_env_task(cfg):
+        return tasks.get_task(cfg.task)
+    cfglib.check_keys(cfg.task, "task", tasks.task_config().keys())
+    section = dict(cfglib.get(cfg, "env"))
+    if "name" in section:
+        raise cfglib.ConfigError("env.name", "is not a run-config key: task.name picks the "
+                                 "environment")
+    return get_env_task({**section, "name": cfg.task.name})

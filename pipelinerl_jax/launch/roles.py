@@ -135,11 +135,11 @@ def sft_evaluator(cfg):
         return None
 
     def evaluate(model):
+        from pipelinerl_jax.envs import build_task
         from pipelinerl_jax.rollout.evaluator import Evaluator
         from pipelinerl_jax.models import flat_params
-        from pipelinerl_jax.tasks import get_task
         from pipelinerl_jax.tokenizers import get_tokenizer
-        ev = Evaluator(cfg, model, get_task(cfg.task), get_tokenizer(cfg.tokenizer))
+        ev = Evaluator(cfg, model, build_task(cfg), get_tokenizer(cfg.tokenizer))
         try:
             return ev(flat_params(model), 0)
         finally:
@@ -149,12 +149,12 @@ def sft_evaluator(cfg):
 
 def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.Event) -> int:
     from pipelinerl_jax.rollout.factory import make_engine
+    from pipelinerl_jax.envs import build_task
     from pipelinerl_jax.rollout.worker import RolloutWorker
-    from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
     from pipelinerl_jax.transport import (RolloutQueueClient, WeightSubscriber, client_kwargs,
                                           queue_address, subscriber_kwargs, weights_address)
-    tok, task = get_tokenizer(cfg.tokenizer), get_task(cfg.task)
+    tok, task = get_tokenizer(cfg.tokenizer), build_task(cfg)  # single-turn or environment
     # Version -1 until the learner's current weights arrive: nothing is sampled before.
     engine = make_engine(cfg, init_ckpt, index, workdir)
     client = RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport))
@@ -167,6 +167,7 @@ def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.E
         worker.run()
     finally:
         sub.close()
+        worker.close()
         engine.close()
         client.close()
     print(json.dumps({"worker": index, **dict(worker.counts)}), flush=True)

@@ -10,6 +10,11 @@ packed forward computes exactly what separate forwards would. The loss still see
 through `gather_idx`: the flat index into the packed `[R, pack_len]` positions whose logits
 predict completion token j (`row * pack_len + offset + P - 1 + j` for a prompt of length P).
 
+A multi-turn episode's completion holds environment tokens too: its `Rollout.loss_mask`
+becomes the loss mask (0 on env tokens, which stay in the packed rows as context), and
+`completion_len` must be the episode token budget (`run_config.completion_tokens`).
+`episode_metrics` reports lag per turn index, turns per episode and end reasons.
+
 The batch is cut into `chunks` (minibatches x micro-batches) of equal sequence count, each
 packed on its own, all padded to the same number of rows R (a multiple of the mesh's batch
 split, rounded up in half-octave steps so a run compiles only a handful of shapes).
@@ -60,7 +65,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> List[List[int
 class PackedBatch:
     arrays: Dict[str, np.ndarray]
     num_seqs: int  # real sequences (the rest are all-masked padding sequences)
-    num_tokens: int  # trained (completion) tokens
+    num_tokens: int  # trained tokens (completion tokens under the loss mask)
     packed_tokens: int  # real tokens in the packed rows (prompt + completion)
 
     def __getitem__(self, key):
@@ -116,12 +121,45 @@ def pack(rollouts: Sequence[Rollout], learner_version: int, *, num_seqs: int, ch
                 a["segment_ids"][ch, row, span] = seg
                 j = np.arange(c)
                 a["gather_idx"][ch, i, :c] = row * pack_len + offset + p - 1 + j
-                a["loss_mask"][ch, i, :c] = 1.0
+                a["loss_mask"][ch, i, :c] = 1.0 if r.loss_mask is None else r.loss_mask
                 a["logp_behaviour"][ch, i, :c] = r.logp_behaviour
                 a["advantages"][ch, i, :c] = r.advantage
                 a["lag"][ch, i, :c] = learner_version - np.asarray(r.version)
                 a["kv_lag"][ch, i, :c] = learner_version - np.asarray(r.kv_version)
                 offset += p + c
-                tokens += c
+                tokens += c if r.loss_mask is None else int(np.count_nonzero(r.loss_mask))
                 packed += p + c
     return PackedBatch(a, len(rollouts), tokens, packed)
+
+
+def episode_metrics(rollouts: Sequence[Rollout], learner_version: int,
+                    max_turns_reported: int = 8) -> Dict[str, float]:
+    """Multi-turn metrics of a batch (empty when no rollout has a `turn_index`): token lag per
+    turn index over model tokens (`lag/turn_<i>/mean`, `/max`; turns past
+    `max_turns_reported` pooled into the last), turns and env tokens per episode, and the
+    fraction of episodes per end reason (`episode/end_<reason>`, from the worker's
+    `end/<reason>` rollout metrics)."""
+    multi = [r for r in rollouts if r.turn_index is not None]
+    if not multi:
+        return {}
+    out: Dict[str, float] = {}
+    lags: Dict[int, List[np.ndarray]] = {}
+    for r in multi:
+        mask = np.ones(len(r.completion_ids), bool) if r.loss_mask is None else r.loss_mask > 0
+        turns = np.minimum(np.asarray(r.turn_index)[mask], max_turns_reported - 1)
+        lag = learner_version - np.asarray(r.version)[mask]
+        for t in np.unique(turns):
+            lags.setdefault(int(t), []).append(lag[turns == t])
+    for t, parts in sorted(lags.items()):
+        lag = np.concatenate(parts)
+        out[f"lag/turn_{t}/mean"] = float(lag.mean())
+        out[f"lag/turn_{t}/max"] = int(lag.max())
+    out["episode/turns_mean"] = float(np.mean([int(r.turn_index[-1]) + 1 if len(r.turn_index)
+                                               else 0 for r in multi]))
+    out["episode/env_tokens_mean"] = float(np.mean([
+        0 if r.loss_mask is None else int(np.count_nonzero(r.loss_mask == 0)) for r in multi]))
+    ends = [k for r in multi for k in r.metrics if k.startswith("end/")]
+    for reason in sorted(set(ends)):
+        out[f"episode/end_{reason[4:]}"] = float(np.mean([r.metrics.get(reason, 0.0) > 0
+                                                          for r in multi]))
+    return out

@@ -45,6 +45,7 @@ from pipelinerl_jax.learner import batching, multihost, train_step as ts
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import from_pretrained
+from pipelinerl_jax.run_config import completion_tokens
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, client_kwargs, queue_address
 from pipelinerl_jax.transport.queue_client import QueueUnavailable
@@ -123,6 +124,7 @@ def batch_metrics(rollouts, packed, version: int) -> dict:
         "sampler/tokens_per_s": float(np.mean([r.metrics.get("engine_tokens_per_s", 0.0)
                                                for r in rollouts])),
     }
+    out.update(batching.episode_metrics(rollouts, version))  # multi-turn episodes
     return out
 
 
@@ -189,7 +191,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     step_fn = make_step(cfg, model, optimizer, mesh, state)
     pack_kw = dict(num_seqs=L.batch_groups * cfg.rollout.group_size,
                    chunks=L.minibatches * L.micro_batches, pack_len=cfg.engine.max_seq_len,
-                   completion_len=cfg.sampling.max_new_tokens,
+                   completion_len=completion_tokens(cfg),
                    row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
 
     # ------------------------------------------------------------------ checkpoint restore

@@ -6,6 +6,10 @@ task's demonstrations. That is exactly the `reinforce` loss with advantage 1 on 
 completion token (−Σ m·logp / Σ m), so this reuses the learner's packing and sharded train
 step rather than a second training path. The result is a standard HF checkpoint directory
 (`save_pretrained`) that RL, the embedded engine and SGLang servers all load.
+
+For an environment (`envs.EnvTask`) a demonstration is a whole correct episode laid out as
+the runner lays it out (`envs.encode_demonstration`): tool replies are in the sequence as
+context but masked out of the loss, so the warm start never learns to write them itself.
 """
 from __future__ import annotations
 
@@ -22,19 +26,25 @@ from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.metrics import MetricsWriter
 from pipelinerl_jax.models.factory import build_model
 from pipelinerl_jax.models.hf_io import save_pretrained
+from pipelinerl_jax.envs import EnvTask, build_task, encode_demonstration
+from pipelinerl_jax.run_config import completion_tokens
 from pipelinerl_jax.types import Rollout
 
 
 def demo_rollouts(task, tok, seed: int):
-    """An endless stream of demonstrations as advantage-1 rollouts."""
+    """An endless stream of demonstrations as advantage-1 rollouts (module docstring)."""
     for problem, target in task.demonstrations(seed):
-        prompt = np.asarray(tok.encode_prompt(problem.prompt), np.int32)
-        completion = np.asarray(tok.encode_completion(target), np.int32)
+        mask = None
+        if isinstance(task, EnvTask):
+            prompt, completion, mask = encode_demonstration(task, tok, problem)
+        else:
+            prompt = np.asarray(tok.encode_prompt(problem.prompt), np.int32)
+            completion = np.asarray(tok.encode_completion(target), np.int32)
         zeros_i = np.zeros(len(completion), np.int32)
         yield Rollout(prompt_ids=prompt, completion_ids=completion,
                       logp_behaviour=np.zeros(len(completion), np.float32),
                       version=zeros_i, kv_version=zeros_i, reward=1.0, advantage=1.0,
-                      group_id=problem.id, group_size=1)
+                      group_id=problem.id, group_size=1, loss_mask=mask)
 
 
 def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
@@ -43,11 +53,10 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     `evaluate(model) -> dict` (optional) is called at the end (e.g. held-out greedy accuracy).
     """
     from pipelinerl_jax.losses import get_loss
-    from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.tokenizers import get_tokenizer
 
     tok = get_tokenizer(cfg.tokenizer)
-    task = get_task(cfg.task)
+    task = build_task(cfg)
     mesh = sharding_lib.make_mesh(tuple(cfg.mesh.shape))
     model = build_model(cfg.model, tok.vocab_size, mesh, seed=cfg.seed)
     graphdef = nnx.graphdef(model)
@@ -58,7 +67,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
                                  state_sharding=ts.state_shardings(state),
                                  micro_batches=s.micro_batches)
     pack_kw = dict(num_seqs=s.batch_size, chunks=s.micro_batches, pack_len=cfg.engine.max_seq_len,
-                   completion_len=cfg.sampling.max_new_tokens,
+                   completion_len=completion_tokens(cfg),
                    row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
     demos = demo_rollouts(task, tok, cfg.seed)
     writer = MetricsWriter(workdir, "sft_metrics.jsonl")

@@ -30,6 +30,16 @@ likewise (`counts['groups_rejected']`). Group ids carry a per-process nonce (asy
 restarted worker never reuses the id of a group its predecessor put (the queue would refuse
 it as a duplicate). Each of these is also a line of `workdir/events.jsonl`.
 
+Environments (multi-turn episodes, `pipelinerl_jax.envs`): when the task is an `EnvTask`, a
+group is `group_size` episodes of one problem run by a `GroupRunner` over an `EpisodeRunner`
+(which is then the engine's only completion consumer) instead of one n-sample request;
+admission, slots and ids are the same. A group with a failed episode (`counts
+['groups_failed']`) or, with `env.dynamic_sampling`, all-equal rewards (`counts
+['groups_dropped_equal_rewards']`, DAPO) frees its place and a replacement is sampled, so
+batches stay full. Advantages are over the episodes' rewards; each episode is one rollout
+carrying its `loss_mask` and `turn_index`. The runner's counters go to `engine_stats.jsonl`
+(`env`) and each episode is a line of `samples.w<i>.jsonl`.
+
 Lag injection (ablations at exact staleness, `pipelinerl_jax.lag_injection`): in lock-step,
 batch L is sampled with the weights the learner ships as weight-stream version L, which are
 policy version `L - k_L` (the weight header says which); every token then has lag exactly k_L,
@@ -47,6 +57,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from pipelinerl_jax.envs import EnvTask, GroupResult, GroupRunner, drop_reason, make_runner
+from pipelinerl_jax.envs.episode import FINISH_REASON
 from pipelinerl_jax.metrics import append_jsonl
 from pipelinerl_jax.rollout.engine import RequestError
 from pipelinerl_jax.transport.versioned_dir import version_dir
@@ -65,6 +77,7 @@ class RolloutWorker:
     def __init__(self, cfg, engine, task, tokenizer, client, *, worker_index: int = 0,
                  workdir: Optional[str] = None):
         from pipelinerl_jax.losses import advantages_from_config
+        from pipelinerl_jax.run_config import completion_tokens
         self.cfg, self.engine, self.task, self.tok, self.client = cfg, engine, task, tokenizer, client
         self.index = worker_index
         self.num_workers = cfg.rollout.num_workers
@@ -73,14 +86,19 @@ class RolloutWorker:
         self.max_lag = 0 if cfg.mode == "sync" or cfg.lag_injection.enabled else cfg.max_lag
         self._advantages = lambda rewards, lengths, truncated: advantages_from_config(
             cfg.rollout.advantage, rewards, lengths=lengths,
-            max_length=cfg.sampling.max_new_tokens, truncated=truncated)
+            max_length=completion_tokens(cfg), truncated=truncated)
         self.workdir = workdir
         self.problems = task.problems(seed=cfg.seed * 1009 + worker_index)
         s = cfg.sampling
         self.sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                              top_p=s.top_p, top_k=s.top_k, stop_token_ids=(tokenizer.eos_id,),
                              n=self.group_size)
-        self._inflight: Dict[str, tuple] = {}  # request id -> (problem, submit time)
+        self.groups: Optional[GroupRunner] = None  # environment mode (module docstring)
+        if isinstance(task, EnvTask):
+            self.groups = GroupRunner(make_runner(cfg.env, engine, tokenizer, task=task,
+                                                  temperature=s.temperature, top_p=s.top_p,
+                                                  top_k=s.top_k), self.group_size)
+        self._inflight: Dict[str, tuple] = {}  # request / group id -> (problem, batch slot)
         self._samples: Dict[str, List[Completion]] = collections.defaultdict(list)
         self._seq = 0
         self._nonce = uuid.uuid4().hex[:6]  # this process's group ids differ from its predecessor's
@@ -225,9 +243,12 @@ class RolloutWorker:
             self._seq += 1
         rid = f"w{self.index}-{key}"
         seed = int(np.random.SeedSequence(material).generate_state(1)[0] % (2**31))
-        req = GenerationRequest(rid, np.asarray(self.tok.encode_prompt(problem.prompt), np.int32),
-                                SamplingParams(seed=seed, **self.sampling))
-        self.engine.submit(req)
+        if self.groups is not None:
+            self.groups.start(problem, group_id=rid, seed=seed)
+        else:
+            self.engine.submit(GenerationRequest(
+                rid, np.asarray(self.tok.encode_prompt(problem.prompt), np.int32),
+                SamplingParams(seed=seed, **self.sampling)))
         slot = self._next_slot
         self._slots[slot] = self._slots.get(slot, 0) + 1
         self._inflight[rid] = (problem, slot)
@@ -262,6 +283,9 @@ class RolloutWorker:
                 metrics={"correct": float(r.correct),
                          "engine_occupancy": engine_stats.get("time_occupancy", 0.0),
                          "engine_tokens_per_s": float(engine_stats.get("tokens_per_s", 0.0))}))
+        self._put(rid, slot, rollouts)
+
+    def _put(self, rid: str, slot: int, rollouts: List[Rollout]) -> None:
         try:
             self.client.put_group(rollouts)
             self.counts["groups_put"] += 1
@@ -273,6 +297,55 @@ class RolloutWorker:
             self.counts["groups_rejected"] += 1
             self._event("group_rejected", group_id=rid, reason=str(e)[:500])
             self._release(slot)
+
+    def finish_episodes(self, g: GroupResult) -> None:
+        """A finished group of episodes (environment mode): dropped (failed, or all-equal
+        rewards under dynamic sampling) and replaced, or scored and put on the queue."""
+        _, slot = self._inflight.pop(g.group_id)
+        why = drop_reason(g, self.cfg.env.dynamic_sampling)
+        if why is not None:
+            self._release(slot)  # a replacement takes its place in the batch
+            if why == "failed":
+                self.counts["groups_failed"] += 1
+                log.warning("group %s dropped: %s", g.group_id, g.reason)
+                self._event("group_failed", group_id=g.group_id, reason=str(g.reason)[:500])
+            else:
+                self.counts[f"groups_dropped_{why}"] += 1
+            return
+        eps = g.episodes
+        adv = self._advantages(g.rewards, np.asarray([len(e.completion_ids) for e in eps]),
+                               np.asarray([e.status == "truncated" for e in eps]))
+        self.counts["groups_scored"] += 1
+        self.counts["episodes"] += len(eps)
+        self._log_episodes(eps)
+        if not adv.keep:
+            self._release(slot)
+            self.counts["groups_filtered"] += 1
+            return
+        stats = self._engine_stats
+        rollouts = []
+        for e, a, keep in zip(eps, adv.advantages, adv.sample_mask):
+            fields = e.rollout_fields(float(a) if keep else 0.0, len(eps), g.group_id)
+            fields["metrics"].update({
+                f"end/{e.end_reason}": 1.0,
+                "engine_occupancy": stats.get("time_occupancy", 0.0),
+                "engine_tokens_per_s": float(stats.get("tokens_per_s", 0.0))})
+            rollouts.append(Rollout(**fields))
+        self._put(g.group_id, slot, rollouts)
+
+    def _log_episodes(self, eps) -> None:
+        if not self.workdir:
+            return
+        append_jsonl(os.path.join(self.workdir, f"samples.w{self.index}.jsonl"), [
+            {"time_s": e.finish_time, "engine_id": e.engine_id,
+             "response_length": len(e.completion_ids), "model_tokens": e.model_tokens,
+             "reward": e.reward, "correct": e.correct, "finish_reason": FINISH_REASON[e.status],
+             "status": e.status, "end_reason": e.end_reason,
+             "turns": len(e.turns), "start_version": e.start_version,
+             "turn_versions": [[t.version_min, t.version_max] for t in e.turns],
+             "gen_time_s": e.finish_time - e.start_time,
+             "tool_time_s": sum(t.tool_latency_s or 0.0 for t in e.turns)}
+            for e in eps])
 
     def _drop_failed_request(self, error) -> None:
         """The engine gave up on a request (its samples will not come): forget the group."""
@@ -322,6 +395,7 @@ class RolloutWorker:
                 "decode_steps": s["window_decode_steps"],
                 # fault counters: the worker's, and the engine's where it has them (SGLang)
                 "worker": dict(self.counts),
+                **({"env": self.groups.runner.stats()} if self.groups is not None else {}),
                 **{k: s[k] for k in ENGINE_FAULT_KEYS if k in s}}])
 
     def run(self, max_groups: Optional[int] = None, max_seconds: Optional[float] = None) -> None:
@@ -337,6 +411,11 @@ class RolloutWorker:
                 break
             while len(self._inflight) < max_requests and self.can_admit():
                 self.submit_one()
+            if self.groups is not None:
+                for g in self.groups.poll(timeout=0.02):
+                    self.finish_episodes(g)
+                self._report_engine_stats(self.cfg.rollout.stats_every_s)
+                continue
             try:
                 completions = self.engine.get_completions(timeout=0.02)
             except RequestError as e:
@@ -351,3 +430,8 @@ class RolloutWorker:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def close(self) -> None:
+        """Ends the episodes in flight and the tool threads (environment mode)."""
+        if self.groups is not None:
+            self.groups.runner.close()

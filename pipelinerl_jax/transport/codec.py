@@ -29,6 +29,8 @@ _BIG_ENDIAN = sys.byteorder == "big"
 # Per-token arrays of a rollout and the dtype each must have on the wire.
 TOKEN_ARRAYS = (("completion_ids", "int32"), ("logp_behaviour", "float32"),
                 ("version", "int32"), ("kv_version", "int32"))
+# Optional per-token arrays of a multi-turn episode (absent: all trained, one turn).
+EPISODE_ARRAYS = (("loss_mask", "uint8"), ("turn_index", "int32"))
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -116,7 +118,7 @@ def _cast(field: str, x, dtype: np.dtype) -> np.ndarray:
         raise ValueError(f"{field}: must be 1-d, got shape {arr.shape}")
     if arr.dtype == dtype:
         return arr
-    if dtype.kind == "i":
+    if dtype.kind in "iu":
         if arr.dtype.kind not in "iub" and arr.size:
             raise ValueError(f"{field}: must hold integers, got dtype {arr.dtype}")
         if arr.size and (arr.min() < np.iinfo(dtype).min or arr.max() > np.iinfo(dtype).max):
@@ -131,6 +133,9 @@ def rollout_to_pb(r: types.Rollout, out: Optional[pb.Rollout] = None) -> pb.Roll
     array_to_pb(_cast("prompt_ids", r.prompt_ids, DTYPES["int32"]), m.prompt_ids)
     for name, dt in TOKEN_ARRAYS:
         array_to_pb(_cast(name, getattr(r, name), DTYPES[dt]), getattr(m, name))
+    for name, dt in EPISODE_ARRAYS:
+        if getattr(r, name, None) is not None:
+            array_to_pb(_cast(name, getattr(r, name), DTYPES[dt]), getattr(m, name))
     m.reward, m.advantage = float(r.reward), float(r.advantage)
     m.group_id, m.group_size = r.group_id, int(r.group_size)
     m.task_id, m.finish_reason, m.engine_id = r.task_id, r.finish_reason, r.engine_id
@@ -144,6 +149,8 @@ def rollout_to_pb(r: types.Rollout, out: Optional[pb.Rollout] = None) -> pb.Roll
 def rollout_from_pb(m: pb.Rollout) -> types.Rollout:
     arrays = {name: array_from_pb(getattr(m, name), name, dt, ndim=1)
               for name, dt in (("prompt_ids", "int32"),) + TOKEN_ARRAYS}
+    arrays.update({name: array_from_pb(getattr(m, name), name, dt, ndim=1)
+                   if m.HasField(name) else None for name, dt in EPISODE_ARRAYS})
     return types.Rollout(
         **arrays, reward=m.reward, advantage=m.advantage, group_id=m.group_id,
         group_size=m.group_size, task_id=m.task_id, finish_reason=m.finish_reason,
@@ -204,6 +211,7 @@ def validate_rollout(m: pb.Rollout, limits: Limits,
         t = int(bad[0])
         raise InvalidRollout("kv_version", f"kv_version[{t}]={int(kv_version[t])} > "
                                            f"version[{t}]={int(version[t])}")
+    _validate_episode_arrays(m, c)
     if m.start_version < 0:
         raise InvalidRollout("start_version", f"negative version {m.start_version}")
     newest = max(int(version.max()), m.start_version)
@@ -233,3 +241,26 @@ def validate_rollout(m: pb.Rollout, limits: Limits,
         if not math.isfinite(v):
             raise InvalidRollout(f"metrics[{k}]", f"must be finite, got {v}")
     return RolloutInfo(m.group_id, m.group_size, int(version.min()), newest, m.ByteSize())
+
+
+def _validate_episode_arrays(m: pb.Rollout, c: int) -> None:
+    """`loss_mask` / `turn_index` of a multi-turn episode, when present (proto docs)."""
+    if m.HasField("loss_mask"):
+        mask = array_from_pb(m.loss_mask, "loss_mask", "uint8", ndim=1, copy=False)
+        if mask.size != c:
+            raise InvalidRollout("loss_mask", f"length {mask.size} != completion length {c}")
+        if mask.max() > 1:
+            raise InvalidRollout("loss_mask", f"values must be 0 or 1, got {int(mask.max())}")
+        if not mask.any():
+            raise InvalidRollout("loss_mask", "no token is trained (all zeros)")
+    if m.HasField("turn_index"):
+        turns = array_from_pb(m.turn_index, "turn_index", "int32", ndim=1, copy=False)
+        if turns.size != c:
+            raise InvalidRollout("turn_index", f"length {turns.size} != completion length {c}")
+        if turns.min() < 0:
+            raise InvalidRollout("turn_index", f"negative turn index {int(turns.min())}")
+        down = np.nonzero(np.diff(turns) < 0)[0]
+        if down.size:
+            t = int(down[0]) + 1
+            raise InvalidRollout("turn_index", f"decreases at {t}: {int(turns[t - 1])} -> "
+                                               f"{int(turns[t])}")

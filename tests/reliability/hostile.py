@@ -14,7 +14,8 @@ from pipelinerl_jax.transport import rollout_pb2 as pb
 VOCAB, MAX_PROMPT, MAX_COMPLETION, MAX_GROUP, ANNOUNCED = 64, 16, 12, 4, 5
 ARRAYS = {"prompt_ids": "int32", "completion_ids": "int32", "logp_behaviour": "float32",
           "version": "int32", "kv_version": "int32"}
-_ITEMSIZE = {"int32": 4, "float32": 4}
+EPISODE = {"loss_mask": "uint8", "turn_index": "int32"}  # optional: multi-turn episodes
+_ITEMSIZE = {"int32": 4, "float32": 4, "uint8": 1}
 
 
 def problems(m: pb.Rollout) -> set:
@@ -46,6 +47,22 @@ def problems(m: pb.Rollout) -> set:
         bad.add("kv_version")
     if v is not None and kv is not None and v.size == kv.size and (kv > v).any():
         bad.add("kv_version")
+    for name, dtype in EPISODE.items():
+        if not m.HasField(name):
+            continue  # absent: a single-turn completion
+        a = getattr(m, name)
+        shape = list(a.shape)
+        if a.dtype != dtype or len(shape) != 1 or shape[0] < 0 or \
+                len(a.data) != shape[0] * _ITEMSIZE[dtype]:
+            bad.add(name)
+            continue
+        x = np.frombuffer(a.data, np.dtype(dtype).newbyteorder("<")).astype(np.int64)
+        if n is not None and x.size != n:
+            bad.add(name)
+        elif name == "loss_mask" and x.size and (x.max() > 1 or x.max() == 0):
+            bad.add(name)
+        elif name == "turn_index" and x.size and (x.min() < 0 or (np.diff(x) < 0).any()):
+            bad.add(name)
     if not 0 <= m.start_version <= ANNOUNCED:
         bad.add("start_version")
     if not m.group_id or len(m.group_id) > 256:
@@ -76,7 +93,7 @@ BAD_VERSIONS = st.one_of(st.integers(-2**31, -1), st.integers(ANNOUNCED + 1, 2**
 BAD_FLOATS = st.sampled_from([float("nan"), float("inf"), -float("inf")])
 FIELDS = ("prompt_ids", "completion_ids", "logp_behaviour", "version", "kv_version",
           "length", "reward", "advantage", "times", "group_id", "group_size", "task_id",
-          "engine_id", "finish_reason", "start_version", "metrics")
+          "engine_id", "finish_reason", "start_version", "metrics", "loss_mask", "turn_index")
 
 
 def _array(draw, msg: pb.Array, dtype: str, n: int, good, bad, hostile: bool) -> None:
@@ -90,6 +107,39 @@ def _array(draw, msg: pb.Array, dtype: str, n: int, good, bad, hostile: bool) ->
     if how == "values" and n:
         for i in draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)):
             values[i] = draw(bad)
+    _fill(draw, msg, dtype, values, how)
+
+
+def _episode_array(draw, msg: pb.Array, name: str, n: int, hostile: bool) -> None:
+    """`loss_mask` (0/1, at least one 1) or `turn_index` (>= 0, non-decreasing) of length
+    `n`; if `hostile`, broken in one way (for values: an all-zero or non-0/1 mask, a negative
+    or decreasing turn index)."""
+    how = draw(st.sampled_from(["values", "dtype", "shape", "bytes", "length"])) if hostile \
+        else "ok"
+    if how == "length":
+        n = max(0, n + draw(st.sampled_from([-1, 1, 5])))
+    if name == "loss_mask":
+        values = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        if n:
+            values[draw(st.integers(0, n - 1))] = 1
+        if how == "values" and n:
+            if draw(st.booleans()):
+                values = [0] * n
+            else:
+                values[draw(st.integers(0, n - 1))] = draw(st.integers(2, 255))
+    else:
+        values = sorted(draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)))
+        if how == "values" and n:
+            if n > 1 and draw(st.booleans()):
+                i = draw(st.integers(0, n - 2))
+                values[i] = values[i + 1] + 1  # the next token's turn is lower
+            else:
+                values[draw(st.integers(0, n - 1))] = draw(st.integers(-2**31, -1))
+    _fill(draw, msg, EPISODE[name], values, how)
+
+
+def _fill(draw, msg: pb.Array, dtype: str, values: list, how: str) -> None:
+    n = len(values)
     data = np.asarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
     msg.dtype, msg.data = dtype, data
     msg.shape[:] = [n]
@@ -126,6 +176,9 @@ def rollouts(draw) -> pb.Rollout:
                "kv_version" in broken)  # all 0: never newer than version
     else:
         m.kv_version.CopyFrom(m.version)  # the usual case: kv == version
+    for name in EPISODE:  # present in half the draws (a multi-turn episode)
+        if name in broken or draw(st.booleans()):
+            _episode_array(draw, getattr(m, name), name, c, name in broken)
     for name in ("reward", "advantage"):
         setattr(m, name, draw(BAD_FLOATS if name in broken else st.floats(-10, 10)))
     for name in ("submit_time", "start_time", "finish_time"):

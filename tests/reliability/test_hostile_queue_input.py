@@ -87,9 +87,10 @@ def _valid_group(size=2):
                        engine_id="e", start_version=ANNOUNCED, reward=1.0, advantage=0.5)
         for name, values in (("prompt_ids", [1, 2, 3]), ("completion_ids", [4, 5, i]),
                              ("logp_behaviour", [-0.5, -1.0, -2.0]),
-                             ("version", [ANNOUNCED] * 3), ("kv_version", [ANNOUNCED] * 3)):
+                             ("version", [ANNOUNCED] * 3), ("kv_version", [ANNOUNCED] * 3),
+                             ("loss_mask", [1, 0, 1]), ("turn_index", [0, 0, 1])):
             a = getattr(m, name)
-            a.dtype = hostile.ARRAYS[name]
+            a.dtype = {**hostile.ARRAYS, **hostile.EPISODE}[name]
             a.shape[:] = [len(values)]
             a.data = np.asarray(values, a.dtype).tobytes()
         msgs.append(m)

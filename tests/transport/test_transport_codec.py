@@ -31,6 +31,22 @@ def test_rollout_round_trip_keeps_every_field():
         assert getattr(r, name) == getattr(back, name), name
 
 
+def test_episode_arrays_round_trip_and_absent_means_single_turn():
+    r = make_rollout("grp", 4, completion=6, version=3)
+    assert r.loss_mask is None and r.turn_index is None
+    m = rollout_to_pb(r)
+    assert not m.HasField("loss_mask") and not m.HasField("turn_index")
+    back = rollout_from_pb(m)
+    assert back.loss_mask is None and back.turn_index is None
+    r.loss_mask = np.array([1, 1, 0, 0, 1, 1], bool)  # any integer-like dtype is cast
+    r.turn_index = np.array([0, 0, 0, 0, 1, 1], np.int64)
+    back = rollout_from_pb(pb.Rollout.FromString(rollout_to_pb(r).SerializeToString()))
+    assert back.loss_mask.dtype == np.uint8 and back.turn_index.dtype == np.int32
+    assert back.loss_mask.tolist() == [1, 1, 0, 0, 1, 1]
+    assert back.turn_index.tolist() == [0, 0, 0, 0, 1, 1]
+    assert validate_rollout(rollout_to_pb(r), LIMITS, max_version=10) is not None
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "float16"])
 def test_array_round_trip(dtype):
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -97,6 +113,18 @@ MUTATIONS = {
                                "start_version"),
     "nan metric": (lambda m, k: m.metrics.__setitem__("acc", math.nan), "metrics[acc]"),
     "long engine_id": (lambda m, k: setattr(m, "engine_id", "e" * (257 + k)), "engine_id"),
+    # multi-turn episodes: loss_mask / turn_index (6 completion tokens)
+    "short loss_mask": (lambda m, k: _set_array(m.loss_mask, [1] * (k % 5 + 1), "uint8"),
+                        "loss_mask"),
+    "loss_mask of 2": (lambda m, k: _set_array(m.loss_mask, [1] * 5 + [2 + k % 200], "uint8"),
+                       "loss_mask"),
+    "all-zero loss_mask": (lambda m, k: _set_array(m.loss_mask, [0] * 6, "uint8"), "loss_mask"),
+    "int32 loss_mask": (lambda m, k: _set_array(m.loss_mask, [1] * 6, "int32"), "loss_mask"),
+    "long turn_index": (lambda m, k: _set_array(m.turn_index, [0] * (7 + k)), "turn_index"),
+    "negative turn_index": (lambda m, k: _set_array(m.turn_index, [-1 - k] + [0] * 5),
+                            "turn_index"),
+    "decreasing turn_index": (lambda m, k: _set_array(m.turn_index, [0, 1, 2 + k, 1, 3, 3]),
+                              "turn_index"),
 }
 
 
