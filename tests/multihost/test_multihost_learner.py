@@ -128,9 +128,10 @@ def test_killed_learner_process_restarts_the_group_and_resumes(tmp_path, init,
     assert launcher.returncode == 0, err[-3000:]
 
     events = read_jsonl(crashed / "events.jsonl")
-    exits = [(e["child"], e["code"]) for e in events if e["event"] == "exit"]
-    assert exits[0] == ("learner1", -9)
-    assert [c for c, _ in exits[1:]] == ["learner0"]  # the survivor was stopped with it
+    exits = [(e["child"], e["code"], e.get("reason")) for e in events if e["event"] == "exit"]
+    assert exits[0][:2] == ("learner1", -9)
+    assert exits[1][::2] == ("learner0", "group member failed")  # stopped with it
+    assert sorted(x[:2] for x in exits[2:]) == [("learner0", 0), ("learner1", 0)]  # the end
     starts = [e["child"] for e in events if e["event"] == "start"]
     assert starts.count("learner0") == starts.count("learner1") == 2  # the group, restarted
     assert "resumed from step" in (crashed / "logs" / "learner0.log").read_text()
