@@ -34,7 +34,7 @@ class MetricsWriter:
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # optional until used
             self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
 
     def write(self, step: int, scalars: Dict[str, object]) -> None:
@@ -85,7 +85,7 @@ def plot_reward(workdir: str, out: Optional[str] = None, title: str = "") -> str
     """reward and accuracy (train and held-out eval) against wall-clock, as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # plots only
 
     rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
     out = out or os.path.join(workdir, "reward.png")

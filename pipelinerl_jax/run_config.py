@@ -7,6 +7,10 @@ engine backend of `rollout/factory.BACKENDS`, loss, transport, ...) plus the pip
 `validate(config)` runs before any process starts and raises one `ConfigError` naming the
 offending key. Config files are Python (ml_collections convention) and therefore trusted
 code: never load one you did not write.
+
+The package sections are imported inside the functions that need them: they load JAX (the
+engines), and the launcher and every child role import this module before a child has
+pinned its cores and set its accelerators.
 """
 from __future__ import annotations
 
@@ -32,13 +36,13 @@ def optimizer_config(**kw) -> ml_collections.ConfigDict:
 
 
 def base_config() -> ml_collections.ConfigDict:
-    from pipelinerl_jax.envs import env_config
-    from pipelinerl_jax.losses import advantage_config, loss_config
-    from pipelinerl_jax.models.factory import model_config
-    from pipelinerl_jax.rollout.factory import BACKENDS
-    from pipelinerl_jax.tasks import task_config
-    from pipelinerl_jax.tokenizers import tokenizer_config
-    from pipelinerl_jax.transport import transport_config
+    from pipelinerl_jax.envs import env_config  # late: JAX
+    from pipelinerl_jax.losses import advantage_config, loss_config  # late: JAX
+    from pipelinerl_jax.models.factory import model_config  # late: JAX
+    from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
+    from pipelinerl_jax.tasks import task_config  # late: JAX
+    from pipelinerl_jax.tokenizers import tokenizer_config  # late: JAX
+    from pipelinerl_jax.transport import transport_config  # late: JAX
 
     c = ml_collections.ConfigDict()
     c.mode = "async"  # 'async' pipeline | 'sync' lock-step baseline
@@ -116,7 +120,7 @@ def completion_tokens(cfg) -> int:
     """The longest completion a rollout may have (the learner's and the queue's bound):
     `sampling.max_new_tokens`, or for an environment the episode token budget
     (`env.max_episode_tokens`, 0 = `engine.max_seq_len`), prompt included."""
-    from pipelinerl_jax.envs import is_env_task
+    from pipelinerl_jax.envs import is_env_task  # late: JAX
     if is_env_task(cfg):
         return int(cfg.env.max_episode_tokens or cfg.engine.max_seq_len)
     return int(cfg.sampling.max_new_tokens)
@@ -142,12 +146,13 @@ def _validate_episode_budget(cfg, task, tok) -> None:
 
 def validate(cfg) -> None:
     """Checks the whole experiment config; raises `ConfigError` naming the first bad key."""
-    from pipelinerl_jax.envs import build_task, is_env_task
-    from pipelinerl_jax.losses import validate_advantage_config, validate_loss_config
-    from pipelinerl_jax.models.factory import validate_model_config
-    from pipelinerl_jax.rollout.factory import BACKENDS
-    from pipelinerl_jax.tokenizers import get_tokenizer
-    from pipelinerl_jax.transport import validate_transport_config
+    from pipelinerl_jax.envs import build_task, is_env_task  # late: JAX
+    from pipelinerl_jax.losses import (  # late: JAX
+        validate_advantage_config, validate_loss_config)
+    from pipelinerl_jax.models.factory import validate_model_config  # late: JAX
+    from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
+    from pipelinerl_jax.tokenizers import get_tokenizer  # late: JAX
+    from pipelinerl_jax.transport import validate_transport_config  # late: JAX
 
     check_keys(cfg, "", base_config().keys())
     if cfg.mode not in MODES:
@@ -247,7 +252,7 @@ def validate(cfg) -> None:
 def resolve(cfg) -> ml_collections.ConfigDict:
     """Derived values filled in once, after validation (copied into the transport section)."""
     cfg = ml_collections.ConfigDict(cfg.to_dict())
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizers import get_tokenizer  # late: JAX
     tok = get_tokenizer(cfg.tokenizer)
     cfg.transport.vocab_size = tok.vocab_size
     if cfg.lag_injection.enabled:

@@ -353,8 +353,8 @@ def occupancy_vs_sim(runs: Sequence[Run], out: str) -> dict:
     run (the async one with the largest max_lag), measured (thin: raw, thick: 10 s mean)
     beside the simulator calibrated from that run's own logs (`sim.calibrate`)."""
     from pipelinerl_jax.sim import plots as sim_plots  # --sim figures only
-    from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run
-    from pipelinerl_jax.sim.pipeline import simulate
+    from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run  # --sim only
+    from pipelinerl_jax.sim.pipeline import simulate  # --sim only
     cands = [r for r in runs if not _injected(r)
              and os.path.exists(os.path.join(r.path, "engine_stats.jsonl"))
              and r.get("engine.kv_policy", "keep") == "keep"]
@@ -415,8 +415,8 @@ def _task_target_lengths(cfg: dict, n: int = 5000) -> Optional[np.ndarray]:
     """Token lengths (EOS included) of the reference answers of `n` problems of the run's
     task, or None when the run's config cannot rebuild its task."""
     try:
-        from pipelinerl_jax.tasks import get_task, task_config
-        from pipelinerl_jax.tokenizers import get_tokenizer, tokenizer_config
+        from pipelinerl_jax.tasks import get_task, task_config  # lengths figure only
+        from pipelinerl_jax.tokenizers import get_tokenizer, tokenizer_config  # lengths figure only
         tc = task_config(cfg["task"]["name"])
         tc.update(cfg["task"])
         kc = tokenizer_config()

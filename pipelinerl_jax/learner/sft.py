@@ -73,7 +73,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     writer = MetricsWriter(workdir, "sft_metrics.jsonl")
     bar = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # progress only
         bar = tqdm(total=s.steps, desc="warm start (SFT)", unit="step", dynamic_ncols=True)
     t0 = time.time()
     loss = float("nan")

@@ -76,8 +76,8 @@ ENGINE_FAULT_KEYS = ("retries", "rerouted_requests", "request_errors",
 class RolloutWorker:
     def __init__(self, cfg, engine, task, tokenizer, client, *, worker_index: int = 0,
                  workdir: Optional[str] = None):
-        from pipelinerl_jax.losses import advantages_from_config
-        from pipelinerl_jax.run_config import completion_tokens
+        from pipelinerl_jax.losses import advantages_from_config  # late: JAX
+        from pipelinerl_jax.run_config import completion_tokens  # cycle: run_config
         self.cfg, self.engine, self.task, self.tok, self.client = cfg, engine, task, tokenizer, client
         self.index = worker_index
         self.num_workers = cfg.rollout.num_workers
@@ -290,7 +290,7 @@ class RolloutWorker:
             self.client.put_group(rollouts)
             self.counts["groups_put"] += 1
         except Exception as e:  # noqa: BLE001 - a rejected group is counted, the worker goes on
-            from pipelinerl_jax.transport import RolloutRejected
+            from pipelinerl_jax.transport import RolloutRejected  # rare path
             if not isinstance(e, RolloutRejected):
                 raise
             log.warning("group %s rejected by the queue: %s", rid, e)

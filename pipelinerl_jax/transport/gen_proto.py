@@ -20,7 +20,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def generate(out_root: str = REPO_ROOT) -> list[str]:
     """Runs protoc; returns the paths of the two generated modules."""
     from grpc_tools import protoc  # dev dependency (grpcio-tools); not needed at run time
-    import importlib.resources
+    import importlib.resources  # build tool only
 
     well_known = str(importlib.resources.files("grpc_tools") / "_proto")
     os.makedirs(out_root, exist_ok=True)
