@@ -15,8 +15,10 @@ in flight: `submit` first waits for the previous one, so a publisher slower than
 slows the learner down instead of piling up device copies (device memory: one extra copy of
 the params). An error in the background is raised in the learner by the next call.
 
-Measured on CPU (scripts/bench_weight_sync.py): the on-device copy costs a fraction of the
-blocking `device_get` it replaces, and the fetch and delivery run while the next step computes.
+On an accelerator the snapshot is an HBM-to-HBM copy, far cheaper than the device-to-host
+transfer it takes off the learner's path; on CPU, where device memory is host memory, the
+params are fetched at once and only the delivery moves to the thread. scripts/
+bench_weight_sync.py (100M params, CPU): blocking 1.8% of the step, overlapped 0.05%.
 """
 from __future__ import annotations
 

@@ -79,3 +79,14 @@ def test_blocking_mode_ships_before_returning():
     assert shipped == [3]
     np.testing.assert_array_equal(pub.result()["b/c"], np.zeros(8))
     pub.close()
+
+
+def test_on_device_snapshot_survives_the_donating_step():
+    from pipelinerl_jax.learner import multihost
+    params = _params()
+    snap = multihost.snapshot_params(params, on_device=True)
+    assert isinstance(snap["a"], jax.Array)
+    _step(params)
+    assert params["a"].is_deleted()
+    host = jax.device_get(snap)
+    np.testing.assert_array_equal(host["a"], np.zeros((64, 64)))
