@@ -4,7 +4,7 @@
 
 Writes a random HF checkpoint with Qwen2.5-0.5B's config dimensions (nothing downloaded),
 loads it as the learner does on 8 CPU devices (mesh data=1 x fsdp=4 x tensor=2), and times the
-real train step (PPO loss, AdamW, micro-batches): per-device parameter/optimizer bytes, XLA's
+real train step (PPO loss, AdamW, 2 micro-batches, 8 seqs x 128 tokens): per-device parameter/optimizer bytes, XLA's
 temporary (activation) bytes, step time, tokens/s and MFU against the float32 matmul peak
 measured in the same run. Then the JaxEngine (one device) decodes at batch 1/8/32 and its
 tokens/s is compared with the rooflines measured in the same run: memory bandwidth (a large
@@ -167,7 +167,7 @@ def main():
         a.batches, a.decode_tokens, n_mm = (1, 8), 8, 256
     else:
         cfg = ModelConfig(**QWEN_0_5B)
-        a.seqs, a.prompt, a.completion, a.micro_batches, a.steps = 8, 64, 192, 2, 1
+        a.seqs, a.prompt, a.completion, a.micro_batches, a.steps = 8, 32, 96, 2, 1
         a.batches, a.decode_tokens, n_mm = (1, 8, 32), 32, 2048
     workdir = a.workdir or tempfile.mkdtemp(prefix="bench_real_size_")
     ckpt = os.path.join(workdir, "qwen2.5-0.5b-random")
