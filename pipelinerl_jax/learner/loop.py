@@ -6,7 +6,7 @@ the loop, the end. One learner step:
     batch = queue.get_batch(B groups)            # whole groups, staleness policy applied
     pack → [B·G, T] bucketed arrays              # lag measured now, at train time
     state, metrics = train_step(state, batch)    # jitted, sharded, donated
-    version += 1; queue.set_version(version); weight_sink.publish(version, params)
+    version += 1; publish(version, params)       # background: announce, then ship
     every `checkpoint_every` steps: save (async); ack the batches the previous save covers
 
 The learner knows no engine: weights leave through the `weight_sink` it is handed
@@ -26,6 +26,12 @@ restarted, empty queue learns it at once.
 A learner may be P processes on one global mesh (`multihost.py`): every process runs this same
 function on the same batch (process 0 pulls it, the others receive it); only process 0 talks
 to the queue, publishes weights and writes files, the others hold stand-ins that do nothing.
+
+Publication overlaps the next step (`publication.py`): right after a step the params are
+snapshotted (an on-device copy the donated step cannot invalidate) and one background thread
+fetches them, announces the version to the queue and ships it, in version order, one at a
+time; the step after waits only if that publication is not finished by then. Evaluation and
+(under lag injection) a checkpoint wait for it; the run ends after the last one.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from flax import nnx
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.lag_injection import LagInjector
 from pipelinerl_jax.learner import batching, multihost, train_step as ts
+from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import from_pretrained
@@ -216,10 +223,10 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     feed = multihost.BatchFeed(queue)
     acks = BatchAcks(queue, ckpt)
 
-    def publish(version: int) -> Dict[str, np.ndarray]:
+    def ship(version: int, host) -> Dict[str, np.ndarray]:
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
-        it may reach the queue the moment an engine has it). Returns the current params."""
-        host = multihost.host_params(state.params)  # all processes: a collective
+        it may reach the queue the moment an engine has it). Returns the current params.
+        Runs on the publication thread."""
         flat = flat_params(host)
         try:
             queue.set_version(version)
@@ -232,10 +239,14 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
             weight_sink.publish(version, flat_params(params), policy_version)
         return flat
 
-    params_flat = publish(version)
+    publication = Publication(ship)
+    publication.submit(version, state.params)
+    params_flat = publication.result()
     t0 = time.time() - t_offset
 
     def checkpoint() -> None:
+        if injector is not None:  # its history must hold the version just published
+            publication.result()
         acks.checkpoint(step, state, {"version": version, "trained_batch_ids": trained[-10000:],
                                       "wall_time_s": time.time() - t0},
                         history=None if injector is None else injector.history)
@@ -249,65 +260,72 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     # The wait for a batch runs from the end of the previous step's work to the arrival of the
     # batch trained next: empty polls, queue outages and redelivered committed batches count.
     t_wait = time.time()
-    while step < L.total_steps:
-        batch, stop = feed.next(L.batch_groups, L.get_timeout_s, version,
-                                stop=stop_event is not None and stop_event.is_set())
-        if stop:
-            break
-        if batch is None:
-            continue
-        wait_s = time.time() - t_wait
-        rollouts = sorted(batch.rollouts, key=lambda r: _group_key(r.group_id))
-        if batch.batch_id in trained_set:  # committed before a crash: never train twice
-            files.batch(batch_record(batch, rollouts, "skipped_committed", step, version))
-            acks.ack([batch.batch_id])
-            continue
-        packed = batching.pack(rollouts, version, **pack_kw)
-        t_step = time.time()
-        state, metrics = step_fn(state, ts.place_batch(packed.arrays, mesh))
-        metrics = flatten_metrics(jax.device_get(metrics))
-        step_s = time.time() - t_step
-        skipped = int(metrics["skipped"])
-        consecutive_skips = consecutive_skips + 1 if skipped else 0
+    try:
+        while step < L.total_steps:
+            batch, stop = feed.next(L.batch_groups, L.get_timeout_s, version,
+                                    stop=stop_event is not None and stop_event.is_set())
+            if stop:
+                break
+            if batch is None:
+                continue
+            wait_s = time.time() - t_wait
+            rollouts = sorted(batch.rollouts, key=lambda r: _group_key(r.group_id))
+            if batch.batch_id in trained_set:  # committed before a crash: never train twice
+                files.batch(batch_record(batch, rollouts, "skipped_committed", step, version))
+                acks.ack([batch.batch_id])
+                continue
+            packed = batching.pack(rollouts, version, **pack_kw)
+            t_step = time.time()
+            state, metrics = step_fn(state, ts.place_batch(packed.arrays, mesh))
+            metrics = flatten_metrics(jax.device_get(metrics))
+            step_s = time.time() - t_step
+            skipped = int(metrics["skipped"])
+            consecutive_skips = consecutive_skips + 1 if skipped else 0
 
-        files.batch(dict(batch_record(batch, rollouts, "trained", step + 1, version),
-                         update_skipped=bool(skipped)))
-        step += 1
-        version += 1
-        trained.append(batch.batch_id)
-        trained_set.add(batch.batch_id)
-        acks.unacked.append(batch.batch_id)
-        t_sync = time.time()
-        params_flat = publish(version)
-        sync_s = time.time() - t_sync
+            files.batch(dict(batch_record(batch, rollouts, "trained", step + 1, version),
+                             update_skipped=bool(skipped)))
+            step += 1
+            version += 1
+            trained.append(batch.batch_id)
+            trained_set.add(batch.batch_id)
+            acks.unacked.append(batch.batch_id)
+            t_sync = time.time()
+            publication.submit(version, state.params)
+            sync_s = time.time() - t_sync
 
-        record = {"version": version, "wall_time_s": time.time() - t0,
-                  "learner/step_time_s": step_s, "learner/wait_time_s": wait_s,
-                  "learner/tokens": packed.num_tokens, "learner/pack_fill": packed.fill,
-                  "learner/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
-                  "learner/lr": float(schedule(step - 1)), "learner/skipped_steps": skipped,
-                  "weight_sync/time_s": sync_s, "queue/redelivered": int(batch.redelivered),
-                  "queue/unavailable_errors": feed.unavailable}
-        record.update(batch_metrics(rollouts, packed, version - 1))
-        record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
-        if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
-            last = evaluate(params_flat, version)
-            record.update(last)
-        files.metrics(step, record)
-        if step % L.checkpoint_every == 0 or step == L.total_steps:
-            checkpoint()
-        else:  # the previous save is durable: let the queue forget its batches
-            acks.ack_durable()
-        if consecutive_skips >= L.max_consecutive_skips:
-            checkpoint()
-            ckpt.wait()
-            raise TooManySkippedSteps(
-                f"{consecutive_skips} consecutive steps had a non-finite loss or gradient "
-                f"(learner.max_consecutive_skips={L.max_consecutive_skips}); stopped at step "
-                f"{step} with a checkpoint of the last good state in {ckpt.directory}")
-        t_wait = time.time()
+            record = {"version": version, "wall_time_s": time.time() - t0,
+                      "learner/step_time_s": step_s, "learner/wait_time_s": wait_s,
+                      "learner/tokens": packed.num_tokens, "learner/pack_fill": packed.fill,
+                      "learner/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
+                      "learner/lr": float(schedule(step - 1)), "learner/skipped_steps": skipped,
+                      "weight_sync/time_s": sync_s,
+                      "weight_sync/background_s": publication.last_duration_s,
+                      "queue/redelivered": int(batch.redelivered),
+                      "queue/unavailable_errors": feed.unavailable}
+            record.update(batch_metrics(rollouts, packed, version - 1))
+            record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
+            if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
+                last = evaluate(publication.result(), version)
+                record.update(last)
+            files.metrics(step, record)
+            if step % L.checkpoint_every == 0 or step == L.total_steps:
+                checkpoint()
+            else:  # the previous save is durable: let the queue forget its batches
+                acks.ack_durable()
+            if consecutive_skips >= L.max_consecutive_skips:
+                checkpoint()
+                ckpt.wait()
+                raise TooManySkippedSteps(
+                    f"{consecutive_skips} consecutive steps had a non-finite loss or gradient "
+                    f"(learner.max_consecutive_skips={L.max_consecutive_skips}); stopped at step "
+                    f"{step} with a checkpoint of the last good state in {ckpt.directory}")
+            t_wait = time.time()
+    except BaseException:  # the thread must not ship into a sink the caller closes
+        publication.abandon()
+        raise
 
     # ------------------------------------------------------------------ end
+    publication.close()  # the last version is out before the run reports done
     if acks.unacked:
         checkpoint()
     acks.finish()

@@ -36,6 +36,7 @@ import os
 from typing import Callable, Optional, Tuple, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pipelinerl_jax.metrics import MetricsWriter, append_jsonl
@@ -243,6 +244,24 @@ def host_params(params):
     return jax.tree.map(one, params)
 
 
+def snapshot_params(params, on_device: Optional[bool] = None):
+    """What a background thread may turn into host arrays while the next (donating) train
+    step runs: when every leaf is addressable here, an on-device copy (dispatched, not waited
+    for; its device-to-host copy already started); otherwise `host_params` itself, since its
+    collectives must run in the same order on every process (the main thread's). CPU arrays
+    are host memory already: fetched at once (no copy to make) unless `on_device`."""
+    leaves = jax.tree.leaves(params)
+    if on_device is None:
+        on_device = not all(d.platform == "cpu" for x in leaves for d in x.devices())
+    if not on_device or not all(x.is_fully_addressable for x in leaves):
+        return host_params(params)
+    snap = _copy_tree(params)
+    for x in jax.tree.leaves(snap):
+        x.copy_to_host_async()
+    return snap
+
+
+_copy_tree = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))  # copy: no input forwarding
 _REPLICATORS: dict = {}
 
 

@@ -36,7 +36,7 @@ from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import Decoder, flat_params, from_pretrained
 from pipelinerl_jax.models.config import dtype_of
-from pipelinerl_jax.rollout import engine_steps
+from pipelinerl_jax.rollout import engine_memory, engine_steps
 from pipelinerl_jax.rollout.decode_step import init_engine_cache
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
@@ -150,6 +150,9 @@ class JaxEngine(SlotScheduler, InferenceEngine):
 
         # ---- device state: parameters, KV cache, per-slot state
         self._mesh = mesh if mesh is not None else sharding_lib.make_mesh((1, 1, 1))
+        self.memory = engine_memory.check_fits(  # before allocating: a clear error, no OOM
+            self.model_config, cfg.max_slots, cfg.max_seq_len, self._dtype,
+            list(self._mesh.devices.flat))
         abstract = nnx.eval_shape(lambda: Decoder(self.model_config, nnx.Rngs(0)))
         self._abstract_state = nnx.split(abstract)[1]
         self._param_shardings = sharding_lib.state_shardings(self._abstract_state, self._mesh)

@@ -28,7 +28,8 @@ FLAGS = ("--config.lag_injection.enabled=True", "--config.lag_injection.k=1",
          "--config.sampling.max_new_tokens=20")
 # Wall-clock measurements: the only values two identical runs may disagree on.
 TIMING = ("wall_time_s", "learner/step_time_s", "learner/wait_time_s", "learner/tokens_per_s",
-          "weight_sync/time_s", "sampler/occupancy", "sampler/tokens_per_s")
+          "weight_sync/time_s", "weight_sync/background_s", "sampler/occupancy",
+          "sampler/tokens_per_s", "time_unix")
 
 
 def _probe(workdir, cert):

@@ -1,0 +1,189 @@
+"""Real-size benchmark: a Qwen2.5-0.5B-shaped model through the sharded learner and the engine.
+
+    python scripts/bench_real_size.py [--smoke] [--param-dtype bfloat16] [--workdir DIR]
+
+Writes a random HF checkpoint with Qwen2.5-0.5B's config dimensions (nothing downloaded),
+loads it as the learner does on 8 CPU devices (mesh data=1 x fsdp=4 x tensor=2), and times the
+real train step (PPO loss, AdamW, 2 micro-batches, 8 seqs x 128 tokens): per-device parameter/optimizer bytes, XLA's
+temporary (activation) bytes, step time, tokens/s and MFU against the float32 matmul peak
+measured in the same run. Then the JaxEngine (one device) decodes at batch 1/8/32 and its
+tokens/s is compared with the rooflines measured in the same run: memory bandwidth (a large
+on-device copy; each decode step reads the weights and the live KV) and compute (the matmul
+peak, 2·params FLOPs a token). `--smoke`: the tiny model, a few seconds. One JSON line.
+"""
+from __future__ import annotations
+
+import os
+
+N_DEVICES = 8
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={N_DEVICES}")
+
+import argparse  # noqa: E402 - XLA_FLAGS must precede the JAX import
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from pipelinerl_jax import sharding  # noqa: E402
+from pipelinerl_jax.learner import batching, train_step as ts  # noqa: E402
+from pipelinerl_jax.losses import get_loss  # noqa: E402
+from pipelinerl_jax.models import ModelConfig, from_pretrained, save_pretrained  # noqa: E402
+from pipelinerl_jax.models import tiny_config  # noqa: E402
+from pipelinerl_jax.rollout import engine_memory  # noqa: E402
+from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
+from pipelinerl_jax.run_config import optimizer_config  # noqa: E402
+from pipelinerl_jax.types import GenerationRequest, Rollout, SamplingParams  # noqa: E402
+
+# Qwen2.5-0.5B's config.json dimensions (no eos: decode runs its full length)
+QWEN_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                 num_heads=14, num_kv_heads=2, head_dim=64, model_type="qwen2", qkv_bias=True,
+                 tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768,
+                 rms_norm_eps=1e-6)
+
+
+def _median_time(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def measured_peaks(n: int, repeats: int) -> dict:
+    """float32 matmul FLOP/s and copy bandwidth (bytes read + written) on device 0."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    flops = 2 * n ** 3 / _median_time(lambda: mm(a, a), repeats)
+    big = jnp.ones((64 << 20) // 4, jnp.float32)  # 64 MiB: past the caches
+    cp = jax.jit(lambda x: x * 1.0001)
+    bw = 2 * big.nbytes / _median_time(lambda: cp(big), repeats)
+    return {"matmul_gflops": flops / 1e9, "copy_gbytes_s": bw / 1e9}
+
+
+def _rollouts(n: int, prompt: int, completion: int, vocab: int):
+    rng = np.random.default_rng(0)
+    return [Rollout(prompt_ids=rng.integers(3, vocab, prompt).astype(np.int32),
+                    completion_ids=rng.integers(3, vocab, completion).astype(np.int32),
+                    logp_behaviour=-rng.uniform(0.5, 4.0, completion).astype(np.float32),
+                    version=np.zeros(completion, np.int32),
+                    kv_version=np.zeros(completion, np.int32), reward=float(i % 2),
+                    advantage=float(rng.normal()), group_id=f"g-{i // 4}", group_size=4)
+            for i in range(n)]
+
+
+def _device0_bytes(tree) -> int:
+    d0 = jax.devices()[0]
+    return int(sum(s.data.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "addressable_shards")
+                   for s in x.addressable_shards if s.device == d0))
+
+
+def bench_learner(ckpt: str, cfg: ModelConfig, a, peak_gflops: float) -> dict:
+    mesh = sharding.make_mesh((1, 4, 2))
+    model = from_pretrained(ckpt, dtype=a.dtype, param_dtype=a.param_dtype, mesh=mesh)
+    optimizer, _ = ts.make_optimizer(optimizer_config())
+    state = ts.init_state(model, optimizer, mesh)
+    step = ts.make_train_step(nnx.graphdef(model), optimizer, get_loss("ppo"), mesh=mesh,
+                              state_sharding=ts.state_shardings(state),
+                              micro_batches=a.micro_batches)
+    seq = a.prompt + a.completion
+    packed = batching.pack(_rollouts(a.seqs, a.prompt, a.completion, cfg.vocab_size), 0,
+                           num_seqs=a.seqs, chunks=a.micro_batches, pack_len=seq,
+                           completion_len=a.completion, row_divisor=sharding.batch_divisor(mesh))
+    batch = ts.place_batch(packed.arrays, mesh)
+    compiled = step.jitted.lower(state, batch, step.hparams).compile()  # the learner's step
+    try:  # XLA's scratch (activations) for one step, where the backend reports it
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - optional figure
+        temp = None
+    state, _ = compiled(state, batch, step.hparams)  # warm up
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        state, metrics = compiled(state, batch, step.hparams)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    step_s = sorted(times)[len(times) // 2]
+    tokens = a.seqs * seq
+    flops = 3 * cfg.flops_per_token(seq) * tokens
+    # the devices share this host's cores: MFU against one device's matmul peak
+    return {"mesh": "1x4x2", "param_dtype": a.param_dtype, "micro_batches": a.micro_batches,
+            "seqs": a.seqs, "seq_len": seq, "step_s": round(step_s, 3),
+            "tokens_per_s": round(tokens / step_s, 1),
+            "mfu": round(flops / step_s / 1e9 / peak_gflops, 4),
+            "param_bytes_per_device": _device0_bytes(state.params),
+            "opt_bytes_per_device": _device0_bytes(state.opt_state),
+            "temp_bytes_per_device": temp}
+
+
+def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict) -> dict:
+    max_seq = a.prompt + a.decode_tokens
+    engine = JaxEngine(ckpt, {"max_slots": max(a.batches), "max_seq_len": max_seq,
+                              "dtype": a.dtype})
+    wbytes = engine_memory.weight_bytes(cfg, engine._dtype)
+    kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, engine._dtype)
+    out = {}
+    rng = np.random.default_rng(1)
+    for b in a.batches:
+        def run(tag):
+            reqs = [GenerationRequest(f"{tag}-{i}", rng.integers(3, cfg.vocab_size, a.prompt)
+                                      .astype(np.int32),
+                                      SamplingParams(max_new_tokens=a.decode_tokens))
+                    for i in range(b)]
+            t = time.perf_counter()
+            done = engine.generate(reqs)
+            return time.perf_counter() - t, sum(len(c.token_ids) for c in done)
+        run(f"warm{b}")  # compile
+        dt, n = run(f"b{b}")
+        tok_s = n / dt
+        kv_read = b * kv_tok * (a.prompt + a.decode_tokens / 2)  # mean live KV a step
+        bw_roof = b * peaks["copy_gbytes_s"] * 1e9 / (wbytes + kv_read)
+        compute_roof = peaks["matmul_gflops"] * 1e9 / (2 * cfg.num_params)
+        roof = min(bw_roof, compute_roof)
+        out[f"batch_{b}"] = {"tokens_per_s": round(tok_s, 1), "roofline_tokens_per_s":
+                             round(roof, 1), "of_roofline": round(tok_s / roof, 4),
+                             "bound": "memory" if bw_roof < compute_roof else "compute"}
+    engine.close()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="the tiny model, a few seconds")
+    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--workdir", default=None)
+    a = p.parse_args()
+    a.dtype = "float32"
+    if a.smoke:
+        cfg = tiny_config("qwen2", max_position_embeddings=256)
+        a.seqs, a.prompt, a.completion, a.micro_batches, a.steps = 8, 16, 16, 2, 1
+        a.batches, a.decode_tokens, n_mm = (1, 8), 8, 256
+    else:
+        cfg = ModelConfig(**QWEN_0_5B)
+        a.seqs, a.prompt, a.completion, a.micro_batches, a.steps = 8, 32, 96, 2, 1
+        a.batches, a.decode_tokens, n_mm = (1, 8, 32), 32, 2048
+    workdir = a.workdir or tempfile.mkdtemp(prefix="bench_real_size_")
+    ckpt = os.path.join(workdir, "qwen2.5-0.5b-random")
+    t = time.perf_counter()
+    if not os.path.exists(os.path.join(ckpt, "config.json")):  # a rerun reuses it
+        save_pretrained(sharding.create_model(cfg, seed=0), ckpt)
+    write_s = time.perf_counter() - t
+    peaks = measured_peaks(n_mm, 3)
+    out = {"model": "tiny" if a.smoke else "qwen2.5-0.5b-shape", "params": cfg.num_params,
+           "devices": f"{N_DEVICES} x {jax.devices()[0].platform}",
+           "checkpoint_write_s": round(write_s, 1),
+           "peaks": {k: round(v, 2) for k, v in peaks.items()},
+           "learner": bench_learner(ckpt, cfg, a, peaks["matmul_gflops"]),
+           "engine": bench_engine(ckpt, cfg, a, peaks)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Weight publication overlapped with the next (donating) train step."""
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipelinerl_jax.learner.loop import flat_params
+from pipelinerl_jax.learner.publication import Publication
+
+_step = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
+
+
+def _params():
+    return {"a": jnp.zeros((64, 64)), "b": {"c": jnp.zeros((8,))}}
+
+
+def test_versions_in_order_each_with_its_own_params_despite_donation():
+    shipped, release = [], threading.Event()
+
+    def ship(version, host):
+        release.wait(5.0)  # slower than the learner: the next step runs meanwhile
+        flat = flat_params(host)
+        shipped.append((version, float(flat["a"][0, 0]), float(flat["b/c"][0])))
+        return flat
+
+    pub = Publication(ship)
+    params = _params()
+    pub.submit(0, params)
+    for v in range(1, 6):
+        params = _step(params)  # donates the arrays the snapshot was taken from
+        if v == 1:
+            release.set()
+        pub.submit(v, params)
+    pub.close()
+    assert shipped == [(v, float(v), float(v)) for v in range(6)]  # in order, none skipped
+
+
+def test_submit_returns_while_the_publication_runs():
+    started, release = threading.Event(), threading.Event()
+
+    def ship(version, host):
+        started.set()
+        release.wait(5.0)
+        return flat_params(host)
+
+    pub = Publication(ship)
+    t = time.perf_counter()
+    pub.submit(0, _params())
+    assert started.wait(5.0) and time.perf_counter() - t < 2.0
+    assert not pub._pending.done()  # the learner goes on while version 0 ships
+    release.set()
+    assert float(pub.result()["a"][0, 0]) == 0.0
+    pub.close()
+
+
+def test_background_error_is_raised_in_the_learner_and_versions_must_increase():
+    def ship(version, host):
+        if version == 1:
+            raise RuntimeError("sink down")
+        return flat_params(host)
+
+    pub = Publication(ship)
+    pub.submit(0, _params())
+    pub.submit(1, _params())
+    with pytest.raises(RuntimeError, match="sink down"):
+        pub.submit(2, _params())
+    with pytest.raises(ValueError, match="published after"):
+        pub.submit(1, _params())
+    pub.abandon()  # logs, does not raise
+
+
+def test_blocking_mode_ships_before_returning():
+    shipped = []
+    pub = Publication(lambda v, h: shipped.append(v) or flat_params(h), background=False)
+    pub.submit(3, _params())
+    assert shipped == [3]
+    np.testing.assert_array_equal(pub.result()["b/c"], np.zeros(8))
+    pub.close()
+
+
+def test_on_device_snapshot_survives_the_donating_step():
+    from pipelinerl_jax.learner import multihost
+    params = _params()
+    snap = multihost.snapshot_params(params, on_device=True)
+    assert isinstance(snap["a"], jax.Array)
+    _step(params)
+    assert params["a"].is_deleted()
+    host = jax.device_get(snap)
+    np.testing.assert_array_equal(host["a"], np.zeros((64, 64)))
