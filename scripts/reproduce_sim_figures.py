@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from configs.sim import talk  # noqa: E402
+from configs.sim import agentic, talk  # noqa: E402
 from pipelinerl_jax.sim import plots  # noqa: E402
 from pipelinerl_jax.sim.config import build_setup  # noqa: E402
 from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS  # noqa: E402
@@ -28,6 +28,7 @@ from pipelinerl_jax.sim.sweep import sweep_split  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "docs/figures/sim", "Folder for the PNGs.")
 _STEPS = flags.DEFINE_integer("steps", 60, "Learner steps per simulated run.")
+_ONLY = flags.DEFINE_list("only", [], "Figure functions to run (e.g. fig9_multiturn); all if empty.")
 
 
 def cfg(mode, **over):
@@ -219,14 +220,46 @@ def fig8_sweep(out, facts):
                      "speedup_over_sync_max_lag_2": res2["speedup_over_sync"]}
 
 
+def _agentic_speedup(turns, tool, steps=12):
+    out = {}
+    for mode in ("sync", "async"):
+        c = agentic.get_config(mode)
+        c.steps, c.warmup_steps = steps, 2
+        c.workload.turns, c.workload.tool_latency = (turns,), (tool,)
+        out[mode] = simulate(build_setup(c)).summary()["samples_per_s"]
+    return out["async"] / out["sync"]
+
+
+def fig9_multiturn(out, facts):
+    tools, turns = (0.0, 2.0, 5.0, 10.0), (1, 2, 4, 8)
+    by_tool = {n: [_agentic_speedup(n, t) for t in tools] for n in (1, 4)}
+    by_turns = [_agentic_speedup(n, 2.0) for n in turns]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for n, ys in by_tool.items():
+        a.plot(tools, ys, "o-", label=f"{n} turn{'s' if n > 1 else ''}")
+    a.set_xlabel("tool latency per call (s)")
+    a.set_ylabel("async / sync samples per s")
+    a.legend()
+    b.plot(turns, by_turns, "o-")
+    b.set_xlabel("turns per episode (tool latency 2 s)")
+    for ax in (a, b):
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+    fig.suptitle("single- vs multi-turn episodes, 8 x H100 (configs/sim/agentic.py)", fontsize=9)
+    plots.save(fig, os.path.join(out, "fig9_multiturn.png"))
+    facts["fig9"] = {"tool_latency_s": tools, "speedup_by_tool": by_tool,
+                     "turns": turns, "speedup_by_turns": by_turns}
+
+
 def main(argv):
     del argv
     out = _OUT.value
     os.makedirs(out, exist_ok=True)
     facts = {}
     for fig in (fig1_completion, fig2_sync_throughput, fig3_batch_size, fig4_decode_latency,
-                fig5_devices, fig6_bad_splits, fig7_fading_squares, fig8_sweep):
-        fig(out, facts)
+                fig5_devices, fig6_bad_splits, fig7_fading_squares, fig8_sweep, fig9_multiturn):
+        if not _ONLY.value or fig.__name__ in _ONLY.value:
+            fig(out, facts)
     print(json.dumps(facts, default=float))
 
 

@@ -20,6 +20,7 @@ from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS, Accelerator, Model
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime, kv_capacity_tokens
 from pipelinerl_jax.sim.lengths import Empirical, LogNormal, lengths_from_run
 from pipelinerl_jax.sim.pipeline import MODES, SimSetup
+from pipelinerl_jax.sim.turns import Workload
 
 
 
@@ -62,6 +63,11 @@ def default_config() -> ml_collections.ConfigDict:
         "batch_size": 64, "group_size": 16,  # prompts per step × samples per prompt
         "flops_per_param_token": 6.0, "step_overhead_s": 0.0,
         "state_bytes_per_param": 16.0})  # params + grads + Adam; 0 disables the check
+    # Multi-turn episodes (sim/turns.py): turns per episode and tool latency (s) between
+    # turns, each a tuple of values drawn uniformly, e.g. (4,) or (1, 2, 8); `lengths` is
+    # per turn; env_tokens are appended after each turn but the last (every turn prefills
+    # the whole episode so far).
+    c.workload = ml_collections.ConfigDict({"turns": (1,), "tool_latency": (0.0,), "env_tokens": 0})
     c.queue = ml_collections.ConfigDict({"capacity_batches": _I()})  # None: unbounded
     c.max_lag = _I()  # None: no staleness limit
     c.weight_sync_s = 5.0
@@ -73,7 +79,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 _TOP = ("mode", "seed", "steps", "warmup_steps", "devices", "split", "hardware", "model",
-        "latency", "lengths", "rollout", "train", "queue", "max_lag", "weight_sync_s",
+        "latency", "lengths", "rollout", "train", "workload", "queue", "max_lag", "weight_sync_s",
         "pause_samplers_on_sync", "sweep", "output", "calibrate_from")
 
 
@@ -141,11 +147,34 @@ def length_distribution(cfg):
         raise ConfigError("lengths.observed", str(e)) from None
 
 
-def slots_per_engine(cfg, acc, model, lengths, tp) -> tuple[int, float]:
-    """(concurrent sequences per engine, KV capacity in tokens); validates that one fits."""
+def _values(cfg, key, cast, lo):
+    """A number or a non-empty tuple of numbers >= lo, as a tuple."""
+    v = cfg.workload[key]
+    vals = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    try:
+        out = tuple(cast(x) for x in vals)
+    except (TypeError, ValueError):
+        raise ConfigError(f"workload.{key}", f"must be a number or a tuple of numbers, got {v!r}") from None
+    if not out or any(not math.isfinite(x) or x < lo or x != x for x in out) or \
+            any(cast is int and x != float(y) for x, y in zip(out, vals)):
+        raise ConfigError(f"workload.{key}", f"needs values >= {lo}, got {v!r}")
+    return out
+
+
+def workload(cfg) -> Workload:
+    return Workload(turns=_values(cfg, "turns", int, 1),
+                    tool_latency=_values(cfg, "tool_latency", float, 0.0),
+                    env_tokens=positive_int(cfg, "workload.env_tokens", allow_zero=True))
+
+
+def slots_per_engine(cfg, acc, model, lengths, tp, work=None) -> tuple[int, float]:
+    """(concurrent sequences per engine, KV capacity in tokens); validates that one fits.
+    Multi-turn: a turn holds the episode so far (the longest: every earlier turn at max)."""
+    work = work or Workload()
+    turns = max(work.turns)
     prompt = positive_int(cfg, "rollout.prompt_len", allow_zero=True)
     cap = kv_capacity_tokens(acc, model, tp)
-    longest = prompt + lengths.max_len
+    longest = prompt + turns * lengths.max_len + (turns - 1) * work.env_tokens
     if cap < longest:
         free_gb = (tp * acc.hbm_bytes * acc.hbm_util - model.weights_total_bytes) / 1e9
         raise ConfigError(
@@ -160,7 +189,9 @@ def slots_per_engine(cfg, acc, model, lengths, tp) -> tuple[int, float]:
         per_seq = longest
     else:
         m1, m2 = lengths.moments()
-        per_seq = prompt + m2 / (2 * m1)
+        # Plus, multi-turn, the earlier turns a turn holds on average.
+        before = (work.mean_turns - 1) / 2 * (m1 + work.env_tokens)
+        per_seq = prompt + before + m2 / (2 * m1)
     conc = positive_int(cfg, "rollout.concurrency")
     return max(1, min(conc, int(cap // per_seq))), cap
 
@@ -192,7 +223,8 @@ def build_setup(cfg, mode: str | None = None) -> SimSetup:
         raise ConfigError("devices", f"{devices} is not a multiple of rollout.devices_per_engine = {tp}")
     acc, model = accelerator(cfg), model_spec(cfg)
     lengths = length_distribution(cfg)
-    slots, cap = slots_per_engine(cfg, acc, model, lengths, tp)
+    work = workload(cfg)
+    slots, cap = slots_per_engine(cfg, acc, model, lengths, tp, work)
     learners = devices if mode == "sync" else trainers
     if not trainer_fits(cfg, acc, model, learners):
         key = "devices" if mode == "sync" else "split.trainers"
@@ -230,4 +262,4 @@ def build_setup(cfg, mode: str | None = None) -> SimSetup:
         warmup_steps=min(warm, steps - 1),
         series_dt_s=number(cfg, "output.series_dt_s", lo=0, lo_open=True),
         trace_steps=positive_int(cfg, "output.trace_steps", allow_zero=True),
-        kv_capacity_tokens=cap)
+        kv_capacity_tokens=cap, workload=work if work.multi_turn else None)

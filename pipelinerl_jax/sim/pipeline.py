@@ -38,6 +38,7 @@ from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime
 from pipelinerl_jax.sim.lengths import LengthDistribution
 from pipelinerl_jax.sim.store import GroupQueue, SampleStore
 from pipelinerl_jax.sim.timeline import TimeSeries, VersionTimeline
+from pipelinerl_jax.sim.turns import TurnPool, Workload, turn_lags
 
 MODES = ("sync", "one_step", "async")
 _LAG_BINS = 64  # histogram bins for lags; larger lags land in the last bin
@@ -71,6 +72,7 @@ class SimSetup:
     series_dt_s: float = 1.0
     trace_steps: int = 0  # steps whose per-sample records are kept
     kv_capacity_tokens: float = math.inf
+    workload: Workload | None = None  # multi-turn episodes (`turns.py`); None: one turn
 
     @property
     def engines(self) -> int:
@@ -92,6 +94,7 @@ class SimResult:
     trace: dict  # per trained sample of the first `trace_steps` steps
     sync_completion: list  # sync/one_step: per traced step, sample finish - step start
     counters: dict
+    turn_lag: list = dataclasses.field(default_factory=list)  # multi-turn: per turn index
 
     def summary(self) -> dict:
         return summarize(self)
@@ -155,8 +158,8 @@ class _Learner:
         start_lag = L - rec["start_v"].ravel()
         tokens = float(length.sum())
         start = max(ready_t, self.free_at)
-        end = start + float(s.train.step_time(tokens + length.size * s.prompt_len,
-                                              s.learner_devices))
+        ctx = s.prompt_len + (s.workload.mean_env_tokens if s.workload else 0.0)
+        end = start + float(s.train.step_time(tokens + length.size * ctx, s.learner_devices))
         sync_end = end + s.weight_sync_s
         self.start_lag_hist += np.bincount(np.minimum(start_lag, _LAG_BINS - 1),
                                            minlength=_LAG_BINS)
@@ -201,8 +204,11 @@ def _make(s: SimSetup):
     rng = np.random.default_rng(s.seed)
     series = TimeSeries(s.series_dt_s, ("tokens", "slot_seconds", "train_seconds", "sync_seconds"))
     prefill = s.prompt_len / s.group_size if s.prefix_sharing else s.prompt_len
-    pool = EnginePool(s.engines, s.slots, s.decode, s.lengths, s.prompt_len, s.group_size,
-                      rng, series, prefill_tokens_per_sample=prefill)
+    args = (s.engines, s.slots, s.decode, s.lengths, s.prompt_len, s.group_size, rng, series)
+    if s.workload is not None and s.workload.multi_turn:
+        pool = TurnPool(*args, prefill_tokens_per_sample=prefill, workload=s.workload)
+    else:
+        pool = EnginePool(*args, prefill_tokens_per_sample=prefill)
     store = SampleStore(s.group_size)
     timeline = VersionTimeline()
     return pool, store, timeline, series
@@ -237,7 +243,7 @@ def _run_batched(s: SimSetup) -> SimResult:
         taken, ready = learner.try_take(queue, np.inf)  # the whole batch; no max_lag here
         _, sync_end = learner.train(taken, ready)
         timeline.publish(sync_end)
-    return _result(s, pool, store, learner, queue, series, completion)
+    return _result(s, pool, store, learner, queue, series, completion, timeline)
 
 
 class _Deferred:
@@ -384,7 +390,7 @@ def _run_async(s: SimSetup) -> SimResult:
             if now >= sync_end:
                 timeline.publish(sync_end)
                 train_end = sync_end = None
-    result = _result(s, pool, store, learner, queue, series, [])
+    result = _result(s, pool, store, learner, queue, series, [], timeline)
     result.counters["late_learner_events"] = int(late)
     result.counters["queue_event_cuts"] = int(cuts)
     return result
@@ -397,7 +403,7 @@ def simulate(s: SimSetup) -> SimResult:
     return _run_async(s) if s.mode == "async" else _run_batched(s)
 
 
-def _result(s, pool, store, learner, queue, series, completion) -> SimResult:
+def _result(s, pool, store, learner, queue, series, completion, timeline) -> SimResult:
     st = learner.records()  # learner busy time goes into the series in one pass
     series.add(st["start_t"], st["end_t"], train_seconds=st["end_t"] - st["start_t"])
     series.add(st["end_t"], st["sync_end_t"], sync_seconds=st["sync_end_t"] - st["end_t"])
@@ -410,8 +416,8 @@ def _result(s, pool, store, learner, queue, series, completion) -> SimResult:
                 "dropped": learner.dropped_samples, "queued": len(queue) * s.group_size,
                 "waiting_for_group": store.pending_finished(),
                 "decode_tokens": pool.decode_tokens}
-    return SimResult(s, st, t, bins, learner.start_lag_hist,
-                     learner.token_lag_hist, trace, completion, counters)
+    return SimResult(s, st, t, bins, learner.start_lag_hist, learner.token_lag_hist, trace,
+                     completion, counters, turn_lags(pool, timeline, trace, s.group_size))
 
 
 def _hist_stats(hist) -> dict:
@@ -461,6 +467,8 @@ def summarize(r: SimResult) -> dict:
         "response_length_mean": float(st["tokens"].sum() / max(st["samples"].sum(), 1)),
         "counters": r.counters,
     }
+    if r.turn_lag:
+        out["turn_start_lag_mean"] = r.turn_lag
     if r.sync_completion:
         c = r.sync_completion[0]
         out["sync_step_completion_s"] = {"p50": float(np.quantile(c, 0.5)),
