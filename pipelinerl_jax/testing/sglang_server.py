@@ -677,8 +677,11 @@ def make_handler(state: ServerState):
                     s.counts["abort_request"] += 1
                 s.abort(body.get("rid"), bool(body.get("abort_all")))
                 return None
-            if path == "/flush_cache":
-                return None
+            if path == "/flush_cache":  # refused while requests run (SGLang's scheduler
+                with s.lock:  # flush_cache; http_server answers 400; sglang-jax, measured)
+                    busy = bool(s.live)
+                return _Status(400, "Cache not flushed: there are pending requests") \
+                    if busy else None
             if path == "/_test/reset":
                 with s.lock:
                     s.record.clear()

@@ -304,6 +304,22 @@ def test_unseeded_copies_carry_distinct_engine_drawn_seeds(fresh):
     assert single is None  # a lone sample keeps the server's own sampling
 
 
+def test_the_test_server_refuses_to_flush_its_cache_while_requests_run(fresh):
+    """As SGLang (scheduler flush_cache -> HTTP 400 when not idle; sglang-jax measured the
+    same in scripts/sglang_conformance.py)."""
+    import urllib.error
+    proc = fresh["retract"]
+    proc.configure(auto_step=False)
+    assert proc.call("POST", "/flush_cache") is None  # idle: 200
+    with engine_for(proc) as eng:
+        eng.submit(request("f", [1, 2, 3], max_new_tokens=20))
+        _step_until_live(proc, 1)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            proc.call("POST", "/flush_cache")
+        assert e.value.code == 400
+        eng.abort("f")
+
+
 def test_close_stops_an_unseeded_request_on_the_server(fresh):
     proc = fresh["retract"]
     proc.configure(auto_step=False)
