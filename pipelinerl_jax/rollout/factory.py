@@ -18,8 +18,9 @@ import dataclasses
 from typing import Callable
 
 from pipelinerl_jax.rollout import jax_engine, sglang_config, sglang_engine
+from pipelinerl_jax.transport.weight_sink import SINK_KINDS
 
-WEIGHT_SINKS = ("stream", "hf_dir")
+WEIGHT_SINKS = SINK_KINDS  # the sinks transport/weight_sink.py provides
 
 
 @dataclasses.dataclass(frozen=True)
