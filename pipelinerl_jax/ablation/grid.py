@@ -94,7 +94,7 @@ def ablation_config(experiment: ml_collections.ConfigDict) -> ml_collections.Con
 
 # ---------------------------------------------------------------------------- checking
 
-def _labels(axis_name: str, axis) -> List[str]:
+def axis_labels(axis_name: str, axis) -> List[str]:
     if axis.kind == "sweep":
         labels = [_label(v) for v in axis.levels]
     elif axis.kind == "variants":
@@ -119,7 +119,7 @@ def _label(value) -> str:
 
 def _selected(axis_name: str, axis) -> List[Tuple[str, object]]:
     """[(label, level)] after `only`."""
-    labels = _labels(axis_name, axis)
+    labels = axis_labels(axis_name, axis)
     levels = list(axis.levels) if axis.kind == "sweep" else [axis.levels[k] for k in labels]
     pairs = list(zip(labels, levels))
     if axis.only:

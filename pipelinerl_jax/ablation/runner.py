@@ -42,7 +42,7 @@ import ml_collections
 
 from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation import results
-from pipelinerl_jax.ablation.grid import RunSpec, expand
+from pipelinerl_jax.ablation.grid import RunSpec, axis_labels, expand
 from pipelinerl_jax.launch import launch, outcome
 from pipelinerl_jax.launch.supervisor import Child, exit_now, tail, wait_any
 from pipelinerl_jax.launch.warm_start import warm_start
@@ -146,6 +146,15 @@ def prepare_run(run: RunSpec, run_dir: str) -> str:
     return "start"
 
 
+def replicate_major(c: ml_collections.ConfigDict, runs: List[RunSpec]) -> List[RunSpec]:
+    """The runs with the seed axis varying slowest: a grid stopped part-way (it takes hours)
+    holds whole replicates of every cell rather than every seed of a few cells."""
+    if not c.seed_axis or c.seed_axis not in c.axes:
+        return list(runs)
+    order = axis_labels(c.seed_axis, c.axes[c.seed_axis])
+    return sorted(runs, key=lambda r: order.index(r.labels[c.seed_axis]))  # stable
+
+
 def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
              runs: Optional[List[RunSpec]] = None) -> dict:
     """Runs every unfinished run of the grid `c` under `workdir`, then writes the tables.
@@ -155,6 +164,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
     workdir = os.path.abspath(workdir)
     os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
     runs = runs if runs is not None else expand(c)
+    runs = replicate_major(c, runs)
     _write_json(os.path.join(workdir, "ablation.json"), json.loads(c.to_json_best_effort()))
     t_start = time.time()
     todo = []
