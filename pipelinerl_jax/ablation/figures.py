@@ -4,15 +4,21 @@ it needs by their config, and writes `<name>.png` and `<name>.svg` for each figu
 
   sync_vs_async      reward and held-out accuracy vs wall-clock, sync vs async per max_lag,
                      speedup to a target accuracy annotated (runs without lag injection)
-  lag_ablation       final held-out accuracy vs injected lag per loss, mean +- std over seeds
+  lag_ablation       final held-out accuracy vs injected lag per loss, mean and 95% t-interval
+                     over seeds
   diagnostics_by_lag ESS, clip fraction and KL(behaviour || current) per lag bucket per loss
+  ess_vs_drop        stalest-bucket ESS per lag and loss, and ESS vs the accuracy drop from
+                     lag 0 per cell (study_figures.py)
+  repro_<name>       the published-phenomenon experiments of configs/repro (study_figures.py)
   kv_policy          kv_policy keep vs recompute at matched max_lag (async runs)
   occupancy_vs_sim   sampler slot occupancy and learner idle fraction over time, sync and async,
                      measured beside the simulator calibrated from the same run
   lengths_and_lag    the task's response-length distribution and the per-token lag histogram
 
 A figure whose runs are absent is skipped with the reason; a run directory that is missing or
-malformed is reported by name (results.load_runs) and left out.
+malformed is reported by name (results.load_runs) and left out. `roots` may also be folders
+of committed tables (results.export_tables): every figure drawn from step metrics draws from
+them; occupancy_vs_sim and lengths_and_lag need the run directories' engine and sample logs.
 """
 from __future__ import annotations
 
@@ -22,43 +28,17 @@ import math
 import os
 from typing import Callable, Dict, List, Optional, Sequence
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from pipelinerl_jax.ablation import stats, study_figures
+from pipelinerl_jax.ablation.plotting import Skip, plt
+from pipelinerl_jax.ablation.plotting import colors as _colors
+from pipelinerl_jax.ablation.plotting import save as _save
+from pipelinerl_jax.ablation.plotting import smooth as _smooth
+from pipelinerl_jax.ablation.results import LAG_BUCKETS, Run, load_runs, summarize_run
+from pipelinerl_jax.metrics import read_jsonl
 
-from pipelinerl_jax.ablation.results import Run, load_runs, summarize_run  # noqa: E402
-from pipelinerl_jax.metrics import read_jsonl  # noqa: E402
-
-LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")  # losses/diagnostics.py
-DPI = 90
-
-
-class Skip(Exception):
-    """A figure that cannot be drawn from the runs given (the message says why)."""
-
-
-def _save(fig, out: str, name: str) -> str:
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, name + ".png")
-    fig.savefig(path, dpi=DPI)
-    fig.savefig(os.path.join(out, name + ".svg"))
-    plt.close(fig)
-    return path
-
-
-def _smooth(y: np.ndarray, n: int) -> np.ndarray:
-    if n <= 1 or y.size < n:
-        return y
-    k = np.ones(n) / n
-    pad = np.concatenate([np.full(n // 2, y[0]), y, np.full(n - 1 - n // 2, y[-1])])
-    return np.convolve(pad, k, mode="valid")
-
-
-def _colors(n):
-    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
-    return [cmap(i % cmap.N) for i in range(n)]
+__all__ = ["FIGURES", "Skip", "make_all"]
 
 
 def _injected(r: Run) -> bool:
@@ -162,15 +142,15 @@ def sync_vs_async(runs: Sequence[Run], out: str, target: Optional[float] = None)
 
 
 def _cell_stats(runs: Sequence[Run], fn) -> tuple:
-    vals = [v for v in (fn(r) for r in runs) if v is not None]
-    if not vals:
-        return math.nan, math.nan, 0
-    return float(np.mean(vals)), float(np.std(vals)), len(vals)
+    """(mean, half-width of the 95% t-interval over the runs (0 with one run), n)."""
+    iv = stats.t_interval([v for v in (fn(r) for r in runs) if v is not None])
+    return iv.mean, iv.half if math.isfinite(iv.half) else 0.0, iv.n
 
 
 def lag_ablation(runs: Sequence[Run], out: str) -> dict:
-    """Final held-out accuracy vs injected lag, one line per loss: mean +- std over seeds;
-    a cross marks a cell where a run was unstable (non-finite steps or diverged)."""
+    """Final held-out accuracy vs injected lag, one line per loss: mean and 95% t-interval
+    over seeds (left) and the mean KL(behaviour || current) with its interval (right); a
+    cross marks a cell where a run was unstable (non-finite steps or diverged)."""
     runs = [r for r in runs if _injected(r) and r.evals]
     if not runs:
         raise Skip("needs runs with lag_injection.enabled (configs/ablate/staleness.py)")
@@ -188,12 +168,13 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
         x = np.asarray([xpos[k] for k in ks], float) + (list(losses).index(loss) - len(losses) / 2) * 0.03
         ax.errorbar(x, [a[0] for a in acc], yerr=[a[1] for a in acc], color=color, marker="o",
                     ms=4, lw=1.4, capsize=2, label=loss)
-        ax_kl.plot(x, [k[0] for k in kl], "o-", color=color, ms=4, lw=1.4)
+        ax_kl.errorbar(x, [k[0] for k in kl], yerr=[k[1] for k in kl], color=color,
+                       marker="o", ms=4, lw=1.4, capsize=2)
         bad = [(xx, a[0]) for xx, k, a in zip(x, ks, acc) if any(map(_unstable, by_lag[k]))]
         if bad:
             ax.plot(*zip(*bad), "x", color="k", ms=7)
         facts["losses"][loss] = {str(k): {"final_eval_accuracy_mean": a[0],
-                                          "final_eval_accuracy_std": a[1], "seeds": a[2],
+                                          "final_eval_accuracy_ci95_half": a[1], "seeds": a[2],
                                           "kl_k3_mean": kv[0]}
                                  for k, a, kv in zip(ks, acc, kl)}
     if init:
@@ -204,7 +185,8 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
         a.grid(alpha=0.3)
     seeds = max(len(v) for v in _groups(runs, lambda r: r.cell).values())
     ax.set(ylabel="final held-out greedy accuracy",
-           title=f"accuracy vs staleness (mean ± std, {seeds} seed{'s' * (seeds > 1)}; x = unstable)")
+           title=f"accuracy vs staleness (mean, 95% t-interval, {seeds} seed"
+                 f"{'s' * (seeds > 1)}; x = unstable)")
     ax_kl.set(ylabel="mean KL(behaviour || current), k3", title="off-policy drift during training")
     ax_kl.set_yscale("symlog", linthresh=1e-3)
     ax_kl.set_ylim(bottom=0)
@@ -225,9 +207,21 @@ def _unstable(r: Run) -> bool:
     return summarize_run(r, None)["unstable"]
 
 
+def _bucket_mean(rs: Sequence[Run], b: str, name: str) -> Optional[float]:
+    num = den = 0.0
+    for r in rs:
+        for row in r.rows:
+            n, v = row.get(f"loss/lag_{b}/tokens"), row.get(f"loss/lag_{b}/{name}")
+            if isinstance(n, (int, float)) and n > 0 and isinstance(v, (int, float)) \
+                    and math.isfinite(v):
+                num, den = num + n * v, den + n
+    return num / den if den > 0 else None
+
+
 def diagnostics_by_lag(runs: Sequence[Run], out: str) -> dict:
-    """Per lag bucket and loss: token ESS, clip fraction and KL k3, each the token-weighted
-    mean over every logged step of the loss's runs (`loss/lag_<bucket>/<name>`)."""
+    """Per lag bucket and loss: token ESS, clip fraction and KL k3 (`loss/lag_<bucket>/
+    <name>`). A seed's value is the token-weighted mean over every logged step of the loss's
+    runs of that seed; the figure shows the mean over seeds and its 95% t-interval."""
     runs = [r for r in runs if any(f"loss/lag_{b}/tokens" in r.rows[-1] for b in LAG_BUCKETS)]
     if not runs:
         raise Skip("needs runs that log per-lag diagnostics (loss/lag_<bucket>/...)")
@@ -237,24 +231,24 @@ def diagnostics_by_lag(runs: Sequence[Run], out: str) -> dict:
     facts = {}
     for (loss, rs), color in zip(sorted(losses.items()), _colors(len(losses))):
         facts[loss] = {}
+        by_seed = _groups(rs, lambda r: str(r.get("seed")))
         for ax, (name, title) in zip(axes, names):
-            xs, ys = [], []
+            xs, ys, hs = [], [], []
             for i, b in enumerate(LAG_BUCKETS):
-                num = den = 0.0
-                for r in rs:
-                    for row in r.rows:
-                        n, v = row.get(f"loss/lag_{b}/tokens"), row.get(f"loss/lag_{b}/{name}")
-                        if isinstance(n, (int, float)) and n > 0 and isinstance(v, (int, float)) \
-                                and math.isfinite(v):
-                            num, den = num + n * v, den + n
-                if den > 0:
+                iv = stats.t_interval([v for v in (_bucket_mean(g, b, name)
+                                                   for g in by_seed.values()) if v is not None])
+                if iv.n:
                     xs.append(i)
-                    ys.append(num / den)
-            facts[loss][name] = dict(zip([LAG_BUCKETS[i] for i in xs], ys))
-            ax.plot(xs, ys, "o-", color=color, ms=4, lw=1.3, label=loss)
+                    ys.append(iv.mean)
+                    hs.append(iv.half if math.isfinite(iv.half) else 0.0)
+            facts[loss][name] = {LAG_BUCKETS[i]: {"mean": y, "ci95_half": h}
+                                 for i, y, h in zip(xs, ys, hs)}
+            ax.errorbar(xs, ys, yerr=hs, color=color, marker="o", ms=4, lw=1.3, capsize=2,
+                        label=loss)
+    seeds = max(len(_groups(rs, lambda r: str(r.get("seed")))) for rs in losses.values())
     for ax, (name, title) in zip(axes, names):
         ax.set_xticks(range(len(LAG_BUCKETS)), LAG_BUCKETS)
-        ax.set(xlabel="lag bucket (versions)", title=title)
+        ax.set(xlabel="lag bucket (versions)", title=f"{title}: mean, 95% t ({seeds} seeds)")
         ax.grid(alpha=0.3)
     axes[2].set_yscale("symlog", linthresh=1e-3)
     axes[2].set_ylim(bottom=0)
@@ -504,8 +498,9 @@ def lengths_and_lag(runs: Sequence[Run], out: str, max_samples: int = 200_000) -
 
 
 FIGURES = {"sync_vs_async": sync_vs_async, "lag_ablation": lag_ablation,
-           "diagnostics_by_lag": diagnostics_by_lag, "kv_policy": kv_policy,
-           "occupancy_vs_sim": occupancy_vs_sim, "lengths_and_lag": lengths_and_lag}
+           "diagnostics_by_lag": diagnostics_by_lag, **study_figures.FIGURES,
+           "kv_policy": kv_policy, "occupancy_vs_sim": occupancy_vs_sim,
+           "lengths_and_lag": lengths_and_lag}
 
 
 def make_all(roots: Sequence[str], out: str, only: Sequence[str] = (),

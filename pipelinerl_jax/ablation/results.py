@@ -16,9 +16,17 @@ Per run (`summarize_run`), from the held-out greedy accuracy `eval/accuracy` log
   collapse_step                       first eval below `collapse_ratio` x the initial accuracy
                                       (only when that is >= `collapse_min_accuracy`);
   kl_spike_steps                      steps with KL(behaviour || current) k3 > `kl_spike`;
-  unstable                            any of the three above, or the run diverged.
-Per cell (`summarize_cells`): mean, std (ddof 0), min, max and n over the seeds of each
-numeric run figure.
+  unstable                            any of the three above, or the run diverged;
+  stalest_bucket, {ess,clip_frac,kl_k3}_stalest   the stalest lag bucket that holds trained
+                                      tokens, and its token-weighted mean diagnostics.
+Per cell (`summarize_cells`): mean, std (ddof 0), min, max, n and the 95% Student-t interval
+of the mean (`_half`, `_lo`, `_hi`; stats.t_interval, n-1 df) over the seeds of each numeric
+run figure.
+
+Committed tables (`export_tables` / `load_tables`): runs.csv, cells.csv and a compact
+steps.csv (the STEP_COLUMNS and per-bucket diagnostics of every step, 6 significant digits,
+bucket columns blank where the bucket has no tokens) are enough to rebuild `Run`s for every
+figure drawn from step metrics; `load_runs` reads such a folder (it holds steps.csv) as runs.
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pipelinerl_jax.ablation.stats import t_interval
+
 # Config values every table carries (column -> dotted key in the experiment config).
 CONFIG_COLUMNS = {
     "mode": "mode", "max_lag": "max_lag", "loss": "loss.name",
@@ -38,7 +48,11 @@ CONFIG_COLUMNS = {
     "seed": "seed", "lag_injection": "lag_injection.enabled", "injected_lag": "lag_injection.k",
     "injection_kind": "lag_injection.kind", "batch_groups": "learner.batch_groups",
     "group_size": "rollout.group_size", "total_steps": "learner.total_steps",
+    "minibatches": "learner.minibatches", "max_k": "lag_injection.max_k",
+    "eval_size": "learner.eval_size", "loss_cap": "loss.cap", "loss_tau": "loss.tau",
 }
+# Per-lag-bucket diagnostics `loss/lag_<bucket>/<name>` (losses/diagnostics.py).
+LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")
 _FIRST_METRICS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean",
                   "lag/mean", "loss/ess", "loss/clip_frac", "loss/kl_k3")
 
@@ -176,8 +190,17 @@ def find_run_dirs(roots: Iterable[str], max_depth: int = 3) -> Tuple[List[str], 
 
 
 def load_runs(roots: Iterable[str]) -> Tuple[List[Run], List[str]]:
-    dirs, problems = find_run_dirs(roots)
-    runs = []
+    """Every run under `roots`; a root holding steps.csv is a folder of committed tables
+    (`export_tables`) and is read with `load_tables`."""
+    roots = list(roots)
+    runs, problems = [], []
+    tables = [r for r in roots if os.path.isfile(os.path.join(r, STEPS_CSV))]
+    for root in tables:
+        got, bad = load_tables(root)
+        runs += got
+        problems += bad
+    dirs, bad = find_run_dirs([r for r in roots if r not in tables])
+    problems += bad
     for d in dirs:
         try:
             runs.append(load_run(d))
@@ -222,10 +245,29 @@ def summarize_run(run: Run, analysis) -> dict:
                      ("loss/clip_frac", "clip_frac_mean"), ("loss/kl_k3", "kl_k3_mean")):
         vals = [v for v in (_num(r.get(key)) for r in trained) if v is not None]
         out[col] = float(np.mean(vals)) if vals else None
+    out.update(stalest_diagnostics(run))
     span = out["wall_time_s"]
     out["steps_per_min"] = 60 * out["steps"] / span if span else None
     out["unstable"] = bool(nonfinite or collapse is not None or out["kl_spike_steps"]
                            or run.status == "diverged")
+    return out
+
+
+def stalest_diagnostics(run: Run) -> dict:
+    """The stalest lag bucket holding trained tokens in the run and its token-weighted mean
+    ESS, clip fraction and KL k3 over the steps (None where nothing is logged per bucket)."""
+    tokens = {b: sum(_num(r.get(f"loss/lag_{b}/tokens")) or 0.0 for r in run.rows)
+              for b in LAG_BUCKETS}
+    full = [b for b in LAG_BUCKETS if tokens[b] > 0]
+    out = {"stalest_bucket": full[-1] if full else None}
+    for name in ("ess", "clip_frac", "kl_k3"):
+        num = den = 0.0
+        for r in run.rows if full else ():
+            n = _num(r.get(f"loss/lag_{full[-1]}/tokens"))
+            v = _num(r.get(f"loss/lag_{full[-1]}/{name}"))
+            if n and n > 0 and v is not None and math.isfinite(v):
+                num, den = num + n * v, den + n
+        out[f"{name}_stalest"] = num / den if den else None
     return out
 
 
@@ -240,12 +282,14 @@ def _analysis(analysis) -> dict:
 CELL_FIGURES = ("final_eval_accuracy", "best_eval_accuracy", "time_to_target_s",
                 "steps_to_target", "nonfinite_steps", "kl_spike_steps", "max_kl_k3",
                 "lag_mean", "ess_mean", "clip_frac_mean", "kl_k3_mean", "wall_time_s",
-                "steps_per_min", "unstable")
+                "steps_per_min", "unstable", "ess_stalest", "clip_frac_stalest",
+                "kl_k3_stalest")
 
 
 def summarize_cells(run_rows: Sequence[dict]) -> List[dict]:
     """One row per cell: its labels (without the seed axis), then `<figure>_{mean,std,min,
-    max,n}` over the cell's runs for each figure in CELL_FIGURES."""
+    max,n,half,lo,hi}` over the cell's runs for each figure in CELL_FIGURES (half, lo, hi:
+    the 95% t-interval of the mean; blank with one seed)."""
     cells: Dict[str, List[dict]] = {}
     for r in run_rows:
         cells.setdefault(r["cell"], []).append(r)
@@ -262,6 +306,9 @@ def summarize_cells(run_rows: Sequence[dict]) -> List[dict]:
                 row[f"{fig}_std"] = float(np.std(vals))
                 row[f"{fig}_min"] = float(np.min(vals))
                 row[f"{fig}_max"] = float(np.max(vals))
+                iv = t_interval(vals)
+                if iv.n > 1:
+                    row[f"{fig}_half"], row[f"{fig}_lo"], row[f"{fig}_hi"] = iv.half, iv.lo, iv.hi
         out.append(row)
     return out
 
@@ -322,3 +369,106 @@ def write_tables(workdir: str, analysis=None) -> dict:
         json.dump(summary, f, indent=1, default=str)
     paths["summary_json"] = os.path.join(workdir, "summary.json")
     return {"tables": paths, "problems": problems}
+
+
+# ---------------------------------------------------------------------------- committed tables
+
+STEPS_CSV = "steps.csv"
+# Per-step metrics kept in the committed steps.csv (every figure drawn from step metrics needs
+# only these), plus `loss/lag_<bucket>/{tokens,ess,clip_frac,kl_k3}`.
+STEP_COLUMNS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy",
+                "reward/mean", "lag/mean", "lag/max", "kv_lag/mean", "start_lag/mean",
+                "loss/loss", "loss/ess", "loss/clip_frac", "loss/kl_k1", "loss/kl_k3",
+                "loss/masked_frac", "loss/entropy", "loss/grad_norm", "learner/step_time_s",
+                "learner/wait_time_s", "learner/tokens", "learner/skipped_steps",
+                "weight_sync/time_s", "sampler/occupancy", "rollout/response_length_mean")
+BUCKET_METRICS = ("tokens", "ess", "clip_frac", "kl_k3")
+
+
+def _short(v):
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def export_tables(roots: Sequence[str], out: str, analysis=None) -> dict:
+    """runs.csv, cells.csv and the compact steps.csv of the runs under `roots`, small enough
+    to commit (figures and reports regenerate from them: `load_tables`)."""
+    runs, problems = load_runs(roots)
+    os.makedirs(out, exist_ok=True)
+    bucket_cols = [f"loss/lag_{b}/{m}" for b in LAG_BUCKETS for m in BUCKET_METRICS]
+    rows = []
+    for r in sorted(runs, key=lambda r: r.name):
+        for row in r.rows:
+            o = {"run": r.name}
+            o.update({k: _short(_num(row[k]) if not isinstance(row[k], int) else row[k])
+                      for k in STEP_COLUMNS if _num(row.get(k)) is not None})
+            for b in LAG_BUCKETS:
+                if (_num(row.get(f"loss/lag_{b}/tokens")) or 0) > 0:
+                    o.update({f"loss/lag_{b}/{m}": _short(_num(row[f"loss/lag_{b}/{m}"]))
+                              for m in BUCKET_METRICS
+                              if _num(row.get(f"loss/lag_{b}/{m}")) is not None})
+            rows.append(o)
+    paths = {"steps_csv": write_csv(os.path.join(out, STEPS_CSV), rows,
+                                    ["run", *STEP_COLUMNS, *bucket_cols])}
+    run_rows = [summarize_run(r, analysis) for r in sorted(runs, key=lambda r: r.name)]
+    for r in run_rows:
+        r.pop("path", None)  # a path on the machine that ran it
+    paths["runs_csv"] = write_csv(os.path.join(out, "runs.csv"),
+                                  [{k: _short(v) for k, v in r.items()} for r in run_rows])
+    paths["cells_csv"] = write_csv(os.path.join(out, "cells.csv"),
+                                   [{k: _short(v) for k, v in c.items()}
+                                    for c in summarize_cells(run_rows)])
+    return {"tables": paths, "problems": problems, "runs": len(runs)}
+
+
+def _parse(v: str):
+    if v == "":
+        return None
+    if v in ("True", "False"):
+        return v == "True"
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
+def _labels_of(name: str) -> Dict[str, str]:
+    parts = [p.split("=", 1) for p in name.split(",")]
+    return dict(p for p in parts if len(p) == 2) if all(len(p) == 2 for p in parts) else {}
+
+
+def load_tables(folder: str) -> Tuple[List[Run], List[str]]:
+    """`Run`s rebuilt from a folder of committed tables (runs.csv + steps.csv): the config
+    holds the CONFIG_COLUMNS keys, the labels come from the run name, the rows from
+    steps.csv; figures needing other files (engine_stats, samples) skip these runs."""
+    problems = []
+    try:
+        with open(os.path.join(folder, "runs.csv")) as f:
+            meta = list(csv.DictReader(f))
+        steps: Dict[str, List[dict]] = {}
+        with open(os.path.join(folder, STEPS_CSV)) as f:
+            for row in csv.DictReader(f):
+                steps.setdefault(row.pop("run"), []).append(
+                    {k: _parse(v) for k, v in row.items() if v != ""})
+    except (OSError, csv.Error) as e:
+        return [], [f"{folder}: unreadable tables ({e})"]
+    runs = []
+    for m in meta:
+        rows = sorted(steps.get(m["run"], []), key=lambda r: r.get("step", 0))
+        if not rows:
+            problems.append(f"{folder}: run {m['run']} has no rows in {STEPS_CSV}")
+            continue
+        config: dict = {}
+        for col, key in CONFIG_COLUMNS.items():
+            value = _parse(m.get(col, ""))
+            node = config
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        runs.append(Run(m["run"], os.path.abspath(folder), _labels_of(m["run"]),
+                        m.get("cell") or m["run"], config, rows, m.get("status", "unknown")))
+    return runs, problems

@@ -14,21 +14,24 @@ def _bucket(lag):
         4 if lag <= 8 else 5
 
 
-def _config(mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0, seed=0):
+def _config(mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0, seed=0,
+            cap=None, minibatches=1, steps=12):
     return {"mode": mode, "max_lag": max_lag, "seed": seed,
-            "loss": {"name": loss}, "engine": {"kv_policy": kv},
+            "loss": {"name": loss, "cap": cap}, "engine": {"kv_policy": kv},
             "lag_injection": {"enabled": injected, "kind": "fixed", "k": k, "max_k": k},
-            "learner": {"batch_groups": 2, "total_steps": 12, "eval_every": 4,
-                        "optimizer": {"learning_rate": 1e-4}},
+            "learner": {"batch_groups": 2, "total_steps": steps, "eval_every": 4,
+                        "minibatches": minibatches, "optimizer": {"learning_rate": 1e-4}},
             "rollout": {"group_size": 4}}
 
 
 def write_run(path, *, mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0,
-              seed=0, steps=12, spec=True, labels=None):
-    """One run directory; returns its path."""
+              seed=0, steps=12, spec=True, labels=None, cap=None, minibatches=1, acc_fn=None,
+              kl_fn=None, ess_fn=None):
+    """One run directory; returns its path. `acc_fn(step)`, `kl_fn(step)`, `ess_fn(step)`
+    replace the default laws of the accuracy, KL k3 and ESS."""
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed * 101 + k + 7 * max_lag + len(loss))
-    cfg = _config(mode, max_lag, loss, kv, injected, k, seed)
+    cfg = _config(mode, max_lag, loss, kv, injected, k, seed, cap, minibatches, steps)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     if spec:
@@ -47,15 +50,19 @@ def write_run(path, *, mode="async", max_lag=4, loss="tis", kv="keep", injected=
                             "eval/accuracy": 0.3}) + "\n")
         for s in range(1, steps + 1):
             acc = min(0.95, 0.3 + 0.04 * s / (1 + 0.1 * lag)) + rng.normal(0, 0.01)
+            if acc_fn is not None:
+                acc = acc_fn(s)
             row = {"step": s, "version": s, "wall_time_s": 1.0 + step_s * s,
                    "learner/step_time_s": 0.8, "learner/wait_time_s": step_s - 0.9,
                    "weight_sync/time_s": 0.1, "learner/tokens": 200 + int(rng.integers(50)),
                    "learner/skipped_steps": 0, "reward/mean": acc, "accuracy": acc,
                    "lag/mean": float(lag), "lag/max": lag, "start_lag/mean": float(lag), "kv_lag/mean": lag + (kv == "keep"),
-                   "lag/hist": [0] * lag + [200], "loss/loss": -0.1, "loss/ess": 1 / (1 + 0.05 * lag),
-                   "loss/clip_frac": 0.01 * lag, "loss/kl_k3": 0.001 * (1 + lag),
+                   "lag/hist": [0] * lag + [200], "loss/loss": -0.1,
+                   "loss/ess": ess_fn(s) if ess_fn else 1 / (1 + 0.05 * lag),
+                   "loss/clip_frac": 0.01 * lag,
+                   "loss/kl_k3": kl_fn(s) if kl_fn else 0.001 * (1 + lag),
                    "sampler/occupancy": 0.4 if mode == "sync" else 0.8}
-            b = _bucket(lag)
+            b = _bucket(min(lag, s))
             for i, name in enumerate(BUCKETS):
                 on = i == b
                 row[f"loss/lag_{name}/tokens"] = 200.0 if on else 0.0
@@ -99,6 +106,16 @@ def write_results(root):
                 write_run(os.path.join(runs, f"inj_{loss}_{k}_s{seed}"), loss=loss,
                           injected=True, k=k, seed=seed,
                           labels={"loss": loss, "lag": str(k), "seed": str(seed)})
+        # The published-phenomenon arms (configs/repro): runs picked by their config.
+        for label, loss, extra, lags in (("tis_nocap", "tis", {"cap": 1e6}, (0, 3)),
+                                         ("ppo", "ppo", {}, (0, 3)), ("m2po", "m2po", {}, (0, 32)),
+                                         ("tis", "tis", {}, (32,)),
+                                         ("dppo_mb4", "decoupled_ppo", {"minibatches": 4}, (0, 2)),
+                                         ("ppo_mb4", "ppo", {"minibatches": 4}, (0, 2))):
+            for k in lags:
+                write_run(os.path.join(runs, f"inj_{label}_{k}_s{seed}"), loss=loss,
+                          injected=True, k=k, seed=seed, **extra,
+                          labels={"loss": label, "lag": str(k), "seed": str(seed)})
     bad = os.path.join(runs, "broken_run")
     os.makedirs(bad, exist_ok=True)
     with open(os.path.join(bad, "metrics.jsonl"), "w") as f:

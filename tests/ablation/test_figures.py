@@ -41,8 +41,39 @@ def test_script_draws_every_figure_and_names_bad_runs(results_dir, tmp_path):
     # What the figures show comes from the logs: async steps are faster in the synthetic runs.
     sva = facts["figures"]["sync_vs_async"]
     assert sva["speedup_to_target"] > 1.0
-    assert set(facts["figures"]["lag_ablation"]["losses"]) == {"reinforce", "tis"}
-    assert facts["figures"]["lag_ablation"]["lags"] == [0, 2, 8]
+    assert set(facts["figures"]["lag_ablation"]["losses"]) == {
+        "reinforce", "tis", "tis_nocap", "ppo", "m2po", "dppo_mb4", "ppo_mb4"}
+    assert facts["figures"]["lag_ablation"]["lags"] == [0, 2, 3, 8, 32]
+
+
+def test_figures_from_committed_tables(results_dir, tmp_path):
+    """export_tables -> CSVs -> the same figures with the same numbers (6 digits kept), except
+    the two that need engine and sample logs."""
+    tables = results.export_tables([results_dir], str(tmp_path / "tables"))
+    assert any("broken_run" in p for p in tables["problems"])
+    assert os.path.getsize(tables["tables"]["steps_csv"]) < 400 * tables["runs"] * 13
+    from_csv = figures.make_all([str(tmp_path / "tables")], str(tmp_path / "a"),
+                                log=lambda m: None)
+    from_runs = figures.make_all([results_dir], str(tmp_path / "b"), log=lambda m: None)
+    skipped = {n for n, f in from_csv["figures"].items() if "skipped" in f}
+    assert skipped == {"occupancy_vs_sim", "lengths_and_lag"}, from_csv["figures"]
+    assert from_csv["runs"] == from_runs["runs"]
+    for name in ("lag_ablation", "diagnostics_by_lag", "ess_vs_drop", "sync_vs_async",
+                 "repro_tinker_kl", "repro_m2po_stale", "repro_decoupled_ppo", "kv_policy"):
+        a, b = dict(from_csv["figures"][name]), dict(from_runs["figures"][name])
+        a.pop("path"), b.pop("path")
+        assert json.dumps(a, default=str) == json.dumps(b, default=str) or \
+            _close(a, b), name
+
+
+def _close(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(_close, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-3, abs=1e-5, nan_ok=True)  # 6 digits in steps.csv
+    return a == b
 
 
 def test_figures_missing_their_runs_are_skipped_with_a_reason(results_dir, tmp_path):

@@ -1,0 +1,28 @@
+"""Repro: decoupled PPO with a proximal policy (AReaL, arXiv 2505.24298) tolerates larger
+staleness than standard PPO (their eta sweep: staleness up to ~4-8 without loss).
+
+    python experiments/ablate.py --config=configs/repro/decoupled_ppo.py --workdir=runs/staleness
+    PYTHONPATH=. python scripts/repro_verdict.py --name=decoupled_ppo --results=runs/staleness
+
+With one minibatch per step the proximal policy is the current one and decoupled PPO is
+PPO (docs/experiments.md); here every batch is split into 4 minibatches (4 optimizer steps),
+so the proximal policy (the params at the start of the step) differs from the current one
+after the first. Both losses run with 4 minibatches. The one-level axis `minibatches=4`
+keeps the run names apart from the staleness grid's 1-minibatch runs, so the command may
+share that grid's workdir (and warm start) without mixing them up.
+2 losses x lag {0, 2, 4, 8, 16} x 3 seeds = 30 runs.
+"""
+from configs.ablate import staleness
+from pipelinerl_jax.ablation.grid import sweep, variants
+
+
+def get_config(arg: str = ""):
+    c = staleness.get_config()
+    c.axes.loss = variants(("decoupled_ppo", {"loss": {"name": "decoupled_ppo"}}),
+                           ("ppo", {"loss": {"name": "ppo"}}))
+    c.axes.lag.levels = (0, 2, 4, 8, 16)
+    c.axes.minibatches = sweep("learner.minibatches", (4,))
+    c.axes.seed.levels = (0, 1, 2)
+    if arg:
+        raise ValueError(f"unknown config argument {arg!r} (valid: '')")
+    return c

@@ -1,0 +1,49 @@
+"""Compact, committable tables of a grid: runs.csv, cells.csv and steps.csv.
+
+  PYTHONPATH=. python scripts/export_results.py --results=runs/staleness --out=results/staleness
+  PYTHONPATH=. python scripts/export_results.py --results=runs/repro_tinker,runs/repro_dppo \
+      --out=results/repro
+
+steps.csv keeps, per run and step, the metrics every figure drawn from step metrics needs
+(results.STEP_COLUMNS and the per-lag-bucket tokens, ESS, clip fraction and KL k3, blank where
+a bucket has no tokens) at 6 significant digits; histograms, per-sample lists and the rest
+of metrics.jsonl stay in the run directories. scripts/reproduce_figures.py,
+scripts/staleness_report.py and scripts/repro_verdict.py read the folder like a grid.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+from pipelinerl_jax.ablation import results  # noqa: E402
+
+_RESULTS = flags.DEFINE_list("results", [], "Grid or run directories.")
+_OUT = flags.DEFINE_string("out", None, "Folder for the tables.", required=True)
+
+
+def _analysis(roots):
+    for root in roots:  # a grid's own thresholds (ablation.json), if any
+        try:
+            with open(os.path.join(root, "ablation.json")) as f:
+                return json.load(f)["analysis"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def main(argv):
+    del argv
+    if not _RESULTS.value:
+        raise app.UsageError("give --results=DIR[,DIR...]")
+    out = results.export_tables(_RESULTS.value, _OUT.value, _analysis(_RESULTS.value))
+    for p in out["problems"]:
+        print(f"skipped: {p}", file=sys.stderr)
+    sizes = {k: os.path.getsize(v) for k, v in out["tables"].items()}
+    print(json.dumps({"runs": out["runs"], "bytes": sizes, **out["tables"]}))
+
+
+if __name__ == "__main__":
+    app.run(main)

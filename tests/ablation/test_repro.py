@@ -1,0 +1,144 @@
+"""The staleness study's tables (staleness.py) and the repro verdicts (repro.py,
+scripts/repro_verdict.py) on synthetic runs exported to committed tables (CSV), so the
+whole path CSV -> runs -> verdict is what is tested."""
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from pipeline_testlib import ROOT
+from pipelinerl_jax.ablation import repro, results, staleness
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import synthetic  # noqa: E402
+
+SEED_OFFSET = {0: -0.03, 1: 0.0, 2: 0.035}  # seed-to-seed spread larger than the effects
+
+
+def _run(root, label, loss, k, seed, drop=0.0, kl=(0.01, 0.01), ess=1.0, **extra):
+    """A 40-step injected run: final accuracy 0.45 + the seed's offset - drop (+ tiny
+    noise), KL k3 from kl[0] to kl[1] after step k, stalest-bucket ESS `ess`."""
+    noise = 0.006 * ((zlib.crc32(f"{label},{k},{seed}".encode()) % 1001) / 500 - 1)
+
+    def acc(s):
+        return 0.30 + (0.15 - drop) * s / 40 + SEED_OFFSET[seed] + noise * (s == 40)
+
+    def klf(s):
+        f = min(max(s - k, 0) / (40 - k), 1.0)
+        return kl[0] * (kl[1] / kl[0]) ** f
+
+    synthetic.write_run(os.path.join(root, "runs", f"{label}_{k}_{seed}"), loss=loss,
+                        injected=True, k=k, seed=seed, steps=40, acc_fn=acc, kl_fn=klf,
+                        ess_fn=lambda s: ess, **extra,
+                        labels={"loss": label, "lag": str(k), "seed": str(seed)})
+
+
+def _tables(tmp_path, arms):
+    """arms: [(label, loss, {lag: dict(drop=, kl=, ess=)}, extra)] x seeds 0-2 -> CSV dir."""
+    root = str(tmp_path / "grid")
+    for label, loss, lags, extra in arms:
+        for k, kw in lags.items():
+            for seed in (0, 1, 2):
+                _run(root, label, loss, k, seed, **kw, **extra)
+    out = str(tmp_path / "tables")
+    results.export_tables([root], out)
+    return out
+
+
+def _verdict(name, folder):
+    runs, problems = results.load_runs([folder])
+    assert not problems and runs and all(r.path == os.path.abspath(folder) for r in runs)
+    return repro.verdict(name, runs)
+
+
+def test_tinker_kl_reproduced_partly_not(tmp_path):
+    grow = {0: {}, 3: dict(drop=0.08, kl=(0.01, 0.3))}  # 30x late/early, 8 points down
+    flat = {0: {}, 3: dict(kl=(0.01, 0.012))}
+    cases = {"reproduced": grow, "partly": {0: {}, 3: dict(drop=0.08)}, "not": flat}
+    for want, unclipped in cases.items():
+        folder = _tables(tmp_path / want, [("tis_nocap", "tis", unclipped, {"cap": 1e6}),
+                                           ("ppo", "ppo", flat, {})])
+        v = _verdict("tinker_kl", folder)
+        assert v["verdict"] == want, repro.verdict_text(v)
+    assert v["lag"] == 3
+    text = repro.verdict_text(_verdict("tinker_kl", str(tmp_path / "reproduced" / "tables")))
+    assert "verdict: reproduced" in text and "| -8.0 ± " in text
+    assert "KL ~30x" not in text and "grows ~30x" in text  # the published claim, side by side
+
+
+def test_m2po_and_decoupled_verdicts(tmp_path):
+    folder = _tables(tmp_path / "m2po", [
+        ("m2po", "m2po", {0: {}, 32: dict(drop=0.005)}, {}),
+        ("tis", "tis", {0: {}, 32: dict(drop=0.06)}, {})])
+    v = _verdict("m2po_stale", folder)
+    assert v["verdict"] == "reproduced" and v["lag"] == 32
+    assert "warning" not in v["extra"]  # 40 steps train 8 steps at lag 32
+    folder = _tables(tmp_path / "m2po_both", [
+        ("m2po", "m2po", {0: {}, 32: dict(drop=0.06)}, {}),
+        ("tis", "tis", {0: {}, 32: dict(drop=0.06)}, {})])
+    assert _verdict("m2po_stale", folder)["verdict"] == "partly"
+
+    dec = {0: {}, 2: {}, 4: {}, 8: {}, 16: dict(drop=0.05)}
+    ppo = {0: {}, 2: dict(drop=0.04), 4: dict(drop=0.05), 8: dict(drop=0.06),
+           16: dict(drop=0.07)}
+    folder = _tables(tmp_path / "dppo", [
+        ("decoupled_ppo", "decoupled_ppo", dec, {"minibatches": 4}),
+        ("ppo", "ppo", ppo, {"minibatches": 4}),
+        ("ppo1", "ppo", {0: dict(drop=0.1)}, {})])  # 1 minibatch: not an arm of this one
+    v = _verdict("decoupled_ppo", folder)
+    assert v["verdict"] == "reproduced", repro.verdict_text(v)
+    assert "decoupled 8, ppo 0" in repro.verdict_text(v)
+    runs, _ = results.load_runs([folder])
+    grid = staleness.lag_grid(runs)
+    assert repro.tolerance(grid["decoupled_ppo"]) == 8 and repro.tolerance(grid["ppo"]) == 0
+    assert _verdict("tinker_kl", folder)["verdict"] == "insufficient data"
+
+
+def test_accuracy_table_and_ess_analysis(tmp_path):
+    folder = _tables(tmp_path, [
+        ("tis", "tis", {0: {}, 2: dict(ess=0.8), 8: dict(drop=0.05, ess=0.4),
+                        32: dict(drop=0.08, ess=0.2)}, {}),
+        ("ppo", "ppo", {0: {}, 2: dict(ess=0.9), 8: dict(ess=0.45), 32: dict(ess=0.7)}, {})])
+    runs, _ = results.load_runs([folder])
+    grid = staleness.lag_grid(runs)
+    rows = {(r["loss"], r["lag"]): r for r in staleness.accuracy_table(grid)}
+    assert rows[("tis", 8)]["vs_lag0"] == "worse" and rows[("ppo", 8)]["vs_lag0"] == "n.s."
+    assert rows[("tis", 0)]["n"] == 3 and rows[("tis", 0)]["half"] > 0.03  # the seed spread
+    md = staleness.accuracy_markdown(grid)
+    line = next(x for x in md.splitlines() if x.startswith("| tis |"))
+    assert line.count("**") == 4 and "↓" in line  # lags 8 and 32 bold
+    assert "| ppo |" in md and "**" not in next(x for x in md.splitlines()
+                                                 if x.startswith("| ppo |"))
+    a = staleness.ess_analysis(grid)
+    assert a["losses"]["tis"]["ess_below_lag"] == 8 and a["losses"]["tis"]["drop_lag"] == 8
+    assert a["losses"]["ppo"]["ess_below_lag"] == 8 and a["losses"]["ppo"]["drop_lag"] is None
+    c = a["classifier"]
+    assert (c["tp"], c["fp"], c["fn"], c["tn"]) == (2, 1, 0, 3) and c["accuracy"] == 5 / 6
+    assert a["pearson"] > 0.5
+    md = staleness.ess_markdown(a)
+    assert "| tis |" in md and "right in 83%" in md
+
+
+def test_scripts_on_committed_tables(tmp_path):
+    folder = _tables(tmp_path, [("tis", "tis", {0: {}, 8: dict(drop=0.05, ess=0.4)}, {}),
+                                ("m2po", "m2po", {0: {}, 32: {}}, {}),
+                                ("tis32", "tis", {32: dict(drop=0.06)}, {})])
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = tmp_path / "table.md"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "staleness_report.py"),
+                           f"--results={folder}", f"--out={out}",
+                           f"--figures={tmp_path / 'figs'}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| tis |" in out.read_text() and "ESS" in out.read_text()
+    for name in ("lag_ablation", "diagnostics_by_lag", "ess_vs_drop"):
+        assert (tmp_path / "figs" / f"{name}.png").exists(), done.stderr
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "repro_verdict.py"),
+                           "--name=all", f"--results={folder}", f"--figures={tmp_path / 'rf'}"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]  # tinker and decoupled cells missing
+    assert "verdict: reproduced" in done.stdout  # m2po_stale
+    assert done.stdout.count("insufficient data") == 2
+    assert (tmp_path / "rf" / "repro_m2po_stale.png").exists()
