@@ -2,7 +2,8 @@
 the published ones, each claim checked, and reproduced / partly / not with the rule used.
 
   PYTHONPATH=. python scripts/repro_verdict.py --name=tinker_kl --results=runs/staleness
-  PYTHONPATH=. python scripts/repro_verdict.py --name=all --results=results/staleness,results/repro
+  PYTHONPATH=. python scripts/repro_verdict.py --name=all \
+      --results=results/staleness,results/repro
   PYTHONPATH=. python scripts/repro_verdict.py --name=m2po_stale --results=... --figures=figs/ --json
 
 `--results` takes committed-table folders (scripts/export_results.py), grid or run

@@ -1,15 +1,15 @@
 """Every figure of docs/experiments.md from logged runs (never from numbers typed in).
 
-  PYTHONPATH=. python scripts/reproduce_figures.py --out=docs/figures/experiments  # committed CSVs
+  PYTHONPATH=. python scripts/reproduce_figures.py --out=docs/figures/experiments  # results/*/
   PYTHONPATH=. python scripts/reproduce_figures.py --results=runs/staleness,runs/sva --out=figures/
   PYTHONPATH=. python scripts/reproduce_figures.py --results=runs/sva --only=sync_vs_async
   PYTHONPATH=. python scripts/reproduce_figures.py --sim --out=docs/figures   # + the simulator's
 
 `--results` takes grid directories (experiments/ablate.py), run directories
 (experiments/train.py), folders of either, or folders of committed tables
-(scripts/export_results.py: runs.csv, cells.csv, steps.csv); without it (and without
---sim), every folder under results/ that holds steps.csv. Each figure picks the runs it needs by their
-config (pipelinerl_jax/ablation/figures.py); one whose runs are absent is skipped with the
+(scripts/export_results.py: runs.csv, cells.csv, steps.csv, histograms.csv); without it
+(and without --sim), every folder under results/ that holds steps.csv. Each figure picks the
+runs it needs by their config (pipelinerl_jax/ablation/figures.py); one whose runs are absent is skipped with the
 reason, and a missing or malformed run directory is reported by name and left out. Writes
 <name>.png and <name>.svg per figure, and prints one JSON line with what each figure shows.
 """

@@ -17,12 +17,11 @@ it needs by their config, and writes `<name>.png` and `<name>.svg` for each figu
 
 A figure whose runs are absent is skipped with the reason; a run directory that is missing or
 malformed is reported by name (results.load_runs) and left out. `roots` may also be folders
-of committed tables (results.export_tables): every figure drawn from step metrics draws from
-them; occupancy_vs_sim and lengths_and_lag need the run directories' engine and sample logs.
+of committed tables (results.export_tables): every figure but occupancy_vs_sim (which
+calibrates the simulator from a run directory's raw logs) draws from them.
 """
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -35,7 +34,8 @@ from pipelinerl_jax.ablation.plotting import Skip, plt
 from pipelinerl_jax.ablation.plotting import colors as _colors
 from pipelinerl_jax.ablation.plotting import save as _save
 from pipelinerl_jax.ablation.plotting import smooth as _smooth
-from pipelinerl_jax.ablation.results import LAG_BUCKETS, Run, load_runs, summarize_run
+from pipelinerl_jax.ablation.results import (LAG_BUCKETS, Run, lag_hist, load_runs,
+                                             response_lengths, summarize_run)
 from pipelinerl_jax.metrics import read_jsonl
 
 __all__ = ["FIGURES", "Skip", "make_all"]
@@ -427,28 +427,18 @@ def lengths_and_lag(runs: Sequence[Run], out: str, max_samples: int = 200_000) -
     pooled over the runs without lag injection, or all runs if none), with its median and
     p99. Right: the fraction of trained tokens at each lag (summed `lag/hist`) per schedule."""
     pool = [r for r in runs if not _injected(r)] or list(runs)
-    lengths = []
+    counts: Dict[int, int] = {}
     for r in pool:
-        for path in sorted(glob.glob(os.path.join(r.path, "samples*.jsonl"))):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        lengths.append(int(json.loads(line)["response_length"]))
-                    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                        continue
-            if len(lengths) >= max_samples:
-                break
+        for k, c in response_lengths(r).items():
+            counts[k] = counts.get(k, 0) + c
+        if sum(counts.values()) >= max_samples:
+            break
+    lengths = np.repeat(np.asarray(sorted(counts), int),
+                        [counts[k] for k in sorted(counts)]).tolist()
     hists = {}
     scheduled = [r for r in runs if not _injected(r)]
     for r in scheduled or runs:  # injected runs only when there is nothing else to show
-        h = np.zeros(0)
-        for row in r.rows:
-            v = row.get("lag/hist")
-            if isinstance(v, list) and v:
-                v = np.asarray(v, float)
-                if v.size > h.size:
-                    h = np.pad(h, (0, v.size - h.size))
-                h[: v.size] += v
+        h = lag_hist(r)
         if h.sum() > 0:
             label = _schedule_label(r) if scheduled else f"injected k={r.get('lag_injection.k')}"
             old = hists.get(label, np.zeros(0))

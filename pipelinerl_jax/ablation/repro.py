@@ -19,8 +19,7 @@ import numpy as np
 
 from pipelinerl_jax.ablation import stats
 from pipelinerl_jax.ablation.results import Run, summarize_run
-from pipelinerl_jax.ablation.staleness import (Grid, cell_interval, final_accuracy, lag_grid,
-                                               per_seed, versus)
+from pipelinerl_jax.ablation.staleness import Grid, cell_interval, lag_grid, per_seed, versus
 
 UNCAPPED = 1e3  # a tis cap at or above this never binds here: unclipped importance weighting
 KL_WINDOW = 10  # steps averaged for the early and late KL

@@ -23,15 +23,18 @@ Per cell (`summarize_cells`): mean, std (ddof 0), min, max, n and the 95% Studen
 of the mean (`_half`, `_lo`, `_hi`; stats.t_interval, n-1 df) over the seeds of each numeric
 run figure.
 
-Committed tables (`export_tables` / `load_tables`): runs.csv, cells.csv and a compact
+Committed tables (`export_tables` / `load_tables`): runs.csv, cells.csv, a compact
 steps.csv (the STEP_COLUMNS and per-bucket diagnostics of every step, 6 significant digits,
-bucket columns blank where the bucket has no tokens) are enough to rebuild `Run`s for every
-figure drawn from step metrics; `load_runs` reads such a folder (it holds steps.csv) as runs.
+bucket columns blank where the bucket has no tokens) and histograms.csv (response lengths
+and per-token lag, as counts) rebuild `Run`s for every figure but occupancy_vs_sim (which
+calibrates the simulator from the raw logs); `load_runs` reads such a folder (it holds
+steps.csv) as runs.
 """
 from __future__ import annotations
 
 import csv
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -74,6 +77,8 @@ class Run:
     config: dict  # the experiment config (nested dict)
     rows: List[dict]  # metrics.jsonl, one per step (the last record of a step wins)
     status: str  # done | diverged | failed | partial | unknown
+    # From committed tables: "response_lengths" {length: count}, "lag_hist" [tokens per lag]
+    extras: dict = dataclasses.field(default_factory=dict)
 
     def get(self, key: str, default=None):
         return config_value(self.config, key, default)
@@ -92,6 +97,41 @@ class Run:
             return np.zeros(0), np.zeros(0), np.zeros(0)
         s, t, v = zip(*pts)
         return np.asarray(s), np.asarray(t, float), np.asarray(v, float)
+
+
+def response_lengths(run: Run, limit: int = 200_000) -> Dict[int, int]:
+    """{response length: samples} over the run's samples*.jsonl (or its committed table)."""
+    if "response_lengths" in run.extras:
+        return dict(run.extras["response_lengths"])
+    counts: Dict[int, int] = {}
+    n = 0
+    for path in sorted(glob.glob(os.path.join(run.path, "samples*.jsonl"))):
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    k = int(json.loads(line)["response_length"])
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue
+                counts[k] = counts.get(k, 0) + 1
+                n += 1
+        if n >= limit:
+            break
+    return counts
+
+
+def lag_hist(run: Run) -> np.ndarray:
+    """Trained tokens per lag, summed over the run's steps (`lag/hist`)."""
+    if "lag_hist" in run.extras:
+        return np.asarray(run.extras["lag_hist"], float)
+    h = np.zeros(0)
+    for row in run.rows:
+        v = row.get("lag/hist")
+        if isinstance(v, list) and v:
+            v = np.asarray(v, float)
+            if v.size > h.size:
+                h = np.pad(h, (0, v.size - h.size))
+            h[: v.size] += v
+    return h
 
 
 def config_value(cfg: dict, key: str, default=None):
@@ -374,14 +414,14 @@ def write_tables(workdir: str, analysis=None) -> dict:
 # ---------------------------------------------------------------------------- committed tables
 
 STEPS_CSV = "steps.csv"
+HISTOGRAMS_CSV = "histograms.csv"  # run, kind (response_length | lag), value, count
 # Per-step metrics kept in the committed steps.csv (every figure drawn from step metrics needs
 # only these), plus `loss/lag_<bucket>/{tokens,ess,clip_frac,kl_k3}`.
-STEP_COLUMNS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy",
-                "reward/mean", "lag/mean", "lag/max", "kv_lag/mean", "start_lag/mean",
-                "loss/loss", "loss/ess", "loss/clip_frac", "loss/kl_k1", "loss/kl_k3",
-                "loss/masked_frac", "loss/entropy", "loss/grad_norm", "learner/step_time_s",
-                "learner/wait_time_s", "learner/tokens", "learner/skipped_steps",
-                "weight_sync/time_s", "sampler/occupancy", "rollout/response_length_mean")
+STEP_COLUMNS = ("step", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean", "lag/mean",
+                "kv_lag/mean", "loss/loss", "loss/ess", "loss/clip_frac", "loss/kl_k3",
+                "loss/masked_frac", "learner/step_time_s", "learner/wait_time_s",
+                "learner/tokens", "learner/skipped_steps", "weight_sync/time_s",
+                "sampler/occupancy")
 BUCKET_METRICS = ("tokens", "ess", "clip_frac", "kl_k3")
 
 
@@ -411,6 +451,14 @@ def export_tables(roots: Sequence[str], out: str, analysis=None) -> dict:
             rows.append(o)
     paths = {"steps_csv": write_csv(os.path.join(out, STEPS_CSV), rows,
                                     ["run", *STEP_COLUMNS, *bucket_cols])}
+    hist_rows = []  # the lengths-and-lag figure's inputs, as counts
+    for r in sorted(runs, key=lambda r: r.name):
+        hist_rows += [{"run": r.name, "kind": "response_length", "value": k, "count": c}
+                      for k, c in sorted(response_lengths(r).items())]
+        hist_rows += [{"run": r.name, "kind": "lag", "value": k, "count": int(c)}
+                      for k, c in enumerate(lag_hist(r)) if c]
+    paths["histograms_csv"] = write_csv(os.path.join(out, HISTOGRAMS_CSV), hist_rows,
+                                        ["run", "kind", "value", "count"])
     run_rows = [summarize_run(r, analysis) for r in sorted(runs, key=lambda r: r.name)]
     for r in run_rows:
         r.pop("path", None)  # a path on the machine that ran it
@@ -453,7 +501,18 @@ def load_tables(folder: str) -> Tuple[List[Run], List[str]]:
             for row in csv.DictReader(f):
                 steps.setdefault(row.pop("run"), []).append(
                     {k: _parse(v) for k, v in row.items() if v != ""})
-    except (OSError, csv.Error) as e:
+        extras: Dict[str, dict] = {}
+        if os.path.exists(os.path.join(folder, HISTOGRAMS_CSV)):
+            with open(os.path.join(folder, HISTOGRAMS_CSV)) as f:
+                for row in csv.DictReader(f):
+                    e = extras.setdefault(row["run"], {"response_lengths": {}, "lag_hist": []})
+                    v, c = int(row["value"]), int(row["count"])
+                    if row["kind"] == "response_length":
+                        e["response_lengths"][v] = c
+                    elif row["kind"] == "lag":
+                        e["lag_hist"] += [0] * (v + 1 - len(e["lag_hist"]))
+                        e["lag_hist"][v] = c
+    except (OSError, csv.Error, KeyError, ValueError) as e:
         return [], [f"{folder}: unreadable tables ({e})"]
     runs = []
     for m in meta:
@@ -470,5 +529,6 @@ def load_tables(folder: str) -> Tuple[List[Run], List[str]]:
                 node = node.setdefault(p, {})
             node[last] = value
         runs.append(Run(m["run"], os.path.abspath(folder), _labels_of(m["run"]),
-                        m.get("cell") or m["run"], config, rows, m.get("status", "unknown")))
+                        m.get("cell") or m["run"], config, rows, m.get("status", "unknown"),
+                        extras.get(m["run"], {"response_lengths": {}, "lag_hist": []})))
     return runs, problems
