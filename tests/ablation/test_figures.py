@@ -1,6 +1,7 @@
 """The figures script and the results tables on a small synthetic results directory."""
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -100,6 +101,11 @@ def test_tables_from_run_directories(results_dir):
     assert c["runs"] == "2" and c["final_eval_accuracy_n"] == "2"
     assert float(c["final_eval_accuracy_min"]) <= float(c["final_eval_accuracy_mean"]) \
         <= float(c["final_eval_accuracy_max"])
+    # The 95% t-interval over the 2 seeds: half = t_{0.975, 1} * s / sqrt(2), s with ddof 1.
+    finals = [float(runs[f"lag=8,loss=tis,seed={s}"]["final_eval_accuracy"]) for s in (0, 1)]
+    half = 12.706204736174698 * abs(finals[0] - finals[1]) / math.sqrt(2) / math.sqrt(2)
+    assert float(c["final_eval_accuracy_half"]) == pytest.approx(half, rel=1e-9)
+    assert float(c["final_eval_accuracy_lo"]) == pytest.approx(sum(finals) / 2 - half)
 
 
 def test_instability_events(tmp_path):
