@@ -4,7 +4,7 @@ the published ones, each claim checked, and reproduced / partly / not with the r
   PYTHONPATH=. python scripts/repro_verdict.py --name=tinker_kl --results=runs/staleness
   PYTHONPATH=. python scripts/repro_verdict.py --name=all \
       --results=results/staleness,results/repro
-  PYTHONPATH=. python scripts/repro_verdict.py --name=m2po_stale --results=... --figures=figs/ --json
+  PYTHONPATH=. python scripts/repro_verdict.py --name=m2po_stale --results=DIR --figures=figs/
 
 `--results` takes committed-table folders (scripts/export_results.py), grid or run
 directories, several at once: runs are picked by their config (pipelinerl_jax/ablation/

@@ -9,9 +9,10 @@
 (experiments/train.py), folders of either, or folders of committed tables
 (scripts/export_results.py: runs.csv, cells.csv, steps.csv, histograms.csv); without it
 (and without --sim), every folder under results/ that holds steps.csv. Each figure picks the
-runs it needs by their config (pipelinerl_jax/ablation/figures.py); one whose runs are absent is skipped with the
-reason, and a missing or malformed run directory is reported by name and left out. Writes
-<name>.png and <name>.svg per figure, and prints one JSON line with what each figure shows.
+runs it needs by their config (pipelinerl_jax/ablation/figures.py); one whose runs are
+absent is skipped with the reason, and a missing or malformed run directory is reported by
+name and left out. Writes <name>.png and <name>.svg per figure, and prints one JSON line
+with what each figure shows.
 """
 import json
 import os

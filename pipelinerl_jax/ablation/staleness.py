@@ -199,8 +199,8 @@ def ess_markdown(analysis: dict) -> str:
         lags = sorted(a["ess"])
         ess = ", ".join(f"{k}: {m:.2f}" for k, (m, _, n) in a["ess"].items() if n)
         e, d = a["ess_below_lag"], a["drop_lag"]
-        agree = "yes" if e == d else ("early" if e is not None and (d is None or e < d)
-                                      else "late")
+        agree = "yes (neither)" if e is None and d is None else "yes" if e == d else (
+            "early" if e is not None and (d is None or e < d) else "late")
         out.append(f"| {loss} | {ess} | {_lag_text(e, lags)} | {_lag_text(d, lags)} | "
                    f"{agree} |")
     c = analysis.get("classifier")
