@@ -3,7 +3,8 @@
 `base_config()` assembles the sections each package owns (model, tokenizer, task, env (the
 environment's keys when `task.name` is one: `pipelinerl_jax.envs`), one per
 engine backend of `rollout/factory.BACKENDS`, loss, transport, ...) plus the pipeline's own
-(mode, max_lag, learner, rollout, resources, lag_injection); `configs/*.py` start from it.
+(mode, max_lag, lag_control, learner, rollout, resources, lag_injection); `configs/*.py` start
+from it.
 `validate(config)` runs before any process starts and raises one `ConfigError` naming the
 offending key. Config files are Python (ml_collections convention) and therefore trusted
 code: never load one you did not write.
@@ -22,6 +23,7 @@ from ml_collections import config_dict
 
 from pipelinerl_jax import resources
 from pipelinerl_jax.config import ConfigError, check_keys
+from pipelinerl_jax.lag_control import lag_control_config, validate_lag_control
 
 MODES = ("async", "sync")
 INJECTION_KINDS = ("fixed", "uniform", "geometric")
@@ -48,6 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mode = "async"  # 'async' pipeline | 'sync' lock-step baseline
     c.seed = 0
     c.max_lag = 4  # tokens older than this many versions are never trained on (async)
+    c.lag_control = lag_control_config()  # enabled: the allowed lag follows a health signal
     c.model = model_config()
     c.tokenizer = tokenizer_config()
     c.task = task_config()
@@ -159,6 +162,8 @@ def validate(cfg) -> None:
         raise ConfigError("mode", f"must be one of {MODES}, got {cfg.mode!r}")
     _int(cfg, "seed")
     _int(cfg, "max_lag")
+    check_keys(cfg.lag_control, "lag_control", lag_control_config().keys())
+    validate_lag_control(cfg)
     validate_model_config(cfg.model, "model")
     tok = get_tokenizer(cfg.tokenizer)
     task = build_task(cfg)

@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from pipelinerl_jax import sharding as sharding_lib
+from pipelinerl_jax.lag_control import LagController
 from pipelinerl_jax.lag_injection import LagInjector
 from pipelinerl_jax.learner import batching, multihost, train_step as ts
 from pipelinerl_jax.learner.publication import Publication
@@ -222,6 +223,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     queue.wait_ready(60.0)
     feed = multihost.BatchFeed(queue)
     acks = BatchAcks(queue, ckpt)
+    lag_ctl = LagController.from_config(cfg)  # the allowed lag: fixed, or closed-loop
 
     def ship(version: int, host) -> Dict[str, np.ndarray]:
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
@@ -229,7 +231,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
         Runs on the publication thread."""
         flat = flat_params(host)
         try:
-            queue.set_version(version)
+            queue.set_version(version, **lag_ctl.announce())
         except QueueUnavailable as e:  # restarting: the next get_batch announces it
             log.warning("could not announce version %d to the queue: %s", version, e)
         if injector is None:
@@ -263,7 +265,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     try:
         while step < L.total_steps:
             batch, stop = feed.next(L.batch_groups, L.get_timeout_s, version,
-                                    stop=stop_event is not None and stop_event.is_set())
+                                    stop=stop_event is not None and stop_event.is_set(),
+                                    **lag_ctl.announce())
             if stop:
                 break
             if batch is None:
@@ -278,6 +281,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
             t_step = time.time()
             state, metrics = step_fn(state, ts.place_batch(packed.arrays, mesh))
             metrics = flatten_metrics(jax.device_get(metrics))
+            control = lag_ctl.update(metrics, packed.arrays)  # before publishing: announced
             step_s = time.time() - t_step
             skipped = int(metrics["skipped"])
             consecutive_skips = consecutive_skips + 1 if skipped else 0
@@ -304,6 +308,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                       "queue/unavailable_errors": feed.unavailable}
             record.update(batch_metrics(rollouts, packed, version - 1))
             record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
+            record.update(control)
             if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
                 last = evaluate(publication.result(), version)
                 record.update(last)

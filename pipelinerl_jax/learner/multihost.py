@@ -196,13 +196,15 @@ class BatchFeed:
         self._exchanges = 0
 
     def next(self, num_groups: int, timeout_s: float, version: int,
-             stop: bool) -> Tuple[Optional[Batch], bool]:
-        """(batch or None, whether to stop)."""
+             stop: bool, max_lag: Optional[int] = None) -> Tuple[Optional[Batch], bool]:
+        """(batch or None, whether to stop). `max_lag`, if given, is announced with the
+        version (closed-loop staleness control)."""
         batch = None
         if not stop:
             try:
                 batch = self.queue.get_batch(num_groups, timeout_s=timeout_s,
-                                             learner_version=version)
+                                             learner_version=version,
+                                             **({} if max_lag is None else {"max_lag": max_lag}))
             except QueueUnavailable as e:  # the queue is down or restarting: wait for it
                 self.unavailable += 1
                 log.warning("queue unavailable (%s); retrying", e)

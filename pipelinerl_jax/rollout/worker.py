@@ -16,7 +16,16 @@ its share of batch v with weights v, then waits for v+1. Groups the advantage es
 filters out (zero variance) free their place for a replacement. The state is only "what I
 started for which batch", so a restarted worker or queue needs no history. The queue's
 staleness policy remains the hard guarantee when timing is adversarial (a straggler that
-completes after later groups).
+completes after later groups). The limit in force is the queue's (`stats()["max_lag"]`, read
+with the learner version) when lower than the config's: under closed-loop staleness control
+(`pipelinerl_jax.lag_control`) the learner moves it during the run.
+
+A group the queue accepted and later dropped (stale at get time, e.g. after the limit was
+lowered; 'future' after a learner rollback) will never fill its batch place: the queue counts
+each producer's drops (the worker's `producer_id` rides on every put), and the worker frees
+that many places, earliest batch first (`counts['groups_dropped_in_queue']`). Without this
+every drop shrank the admission window by one group for good, down to a stall once the
+window was smaller than the drops.
 
 Faults. A learner restarted from an older checkpoint publishes an older version from a new
 publisher: the engine installs it (`allow_older`) and no group starts while the engine is
@@ -102,6 +111,9 @@ class RolloutWorker:
         self._samples: Dict[str, List[Completion]] = collections.defaultdict(list)
         self._seq = 0
         self._nonce = uuid.uuid4().hex[:6]  # this process's group ids differ from its predecessor's
+        self.producer_id = f"w{worker_index}-{self._nonce}"  # the queue counts our drops by it
+        client.producer_id = self.producer_id
+        self._dropped_seen = 0  # our groups the queue reported dropped, so far
         self._server_id: Optional[str] = None  # the queue instance our groups went to
         self._stop = threading.Event()
         self._stats = None
@@ -125,9 +137,30 @@ class RolloutWorker:
             if self._server_id is not None and stats["server_id"] != self._server_id:
                 self._on_queue_restart(stats["server_id"])
             self._server_id = stats["server_id"]
+            self._note_drops(stats)
             self._stats = stats
             self._stats_time = time.time()
         return self._stats
+
+    def _note_drops(self, stats) -> None:
+        """Frees a batch place for each of our groups the queue dropped since we last looked
+        (module docstring)."""
+        total = int(stats.get("producer_dropped_groups", 0))
+        new, self._dropped_seen = total - self._dropped_seen, total
+        if new <= 0:
+            return
+        learner, freed = int(stats["learner_version"]), 0
+        for k in sorted(self._slots):
+            while k >= learner and self._slots[k] > 0 and freed < new:
+                self._slots[k] -= 1
+                freed += 1
+        self.counts["groups_dropped_in_queue"] += new
+        self._event("groups_dropped_in_queue", groups=new, places_freed=freed)
+
+    def allowed_lag(self) -> int:
+        """The limit admission uses now: the config's, or the queue's when lower."""
+        queue = int(self._queue_stats().get("max_lag", -1))
+        return self.max_lag if queue < 0 else min(self.max_lag, queue)
 
     def _on_queue_restart(self, server_id: str) -> None:
         """A new queue instance: what we put on the old one and was not consumed is lost.
@@ -135,6 +168,7 @@ class RolloutWorker:
         inflight = collections.Counter(slot for _, slot in self._inflight.values())
         lost = sum(max(0, n - inflight[k]) for k, n in self._slots.items())
         self._slots = dict(inflight)
+        self._dropped_seen = 0  # the new instance counts from zero
         self.counts["queue_restarts"] += 1
         self.counts["groups_lost_in_queue"] += lost
         log.warning("queue restarted (server %s -> %s): %d groups put there were lost and "
@@ -171,7 +205,7 @@ class RolloutWorker:
         k = learner
         while self._slots.get(k, 0) >= self.share:
             k += 1
-        if k - self.engine.version > self.max_lag:
+        if k - self.engine.version > self.allowed_lag():
             return False
         self._next_slot = k
         return True

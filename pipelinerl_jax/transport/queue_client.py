@@ -114,7 +114,11 @@ def _to_dict(msg) -> dict:
 
 
 class RolloutQueueClient:
-    """Thread-safe. One instance = one consumer session (`session_id`) for `get_batch`."""
+    """Thread-safe. One instance = one consumer session (`session_id`) for `get_batch`.
+
+    `producer_id` (a producer sets it once, before its first put): carried by every put, so
+    the queue counts this producer's dropped groups, which `stats()` reports
+    (`producer_dropped_groups`)."""
 
     def __init__(self, address: str, token: Optional[str] = None,
                  tls: Optional[TLSConfig] = None, *,
@@ -129,6 +133,7 @@ class RolloutQueueClient:
         self._md = call_metadata(token)
         self.retry, self.hold_s, self.rpc_timeout_s = retry, hold_s, rpc_timeout_s
         self.session_id = session_id or uuid.uuid4().hex
+        self.producer_id = ""
         self.retry_counts: collections.Counter = collections.Counter()
 
     # ---------------------------------------------------------------- plumbing
@@ -153,7 +158,8 @@ class RolloutQueueClient:
 
     def _request(self, rollouts: Sequence[types.Rollout]) -> pb.PutRequest:
         request = pb.PutRequest(rollouts=[rollout_to_pb(r) for r in rollouts],
-                                request_id=uuid.uuid4().hex, hold_s=self.hold_s)
+                                request_id=uuid.uuid4().hex, hold_s=self.hold_s,
+                                producer_id=self.producer_id)
         size = request.ByteSize()
         if size > self.max_message_bytes:  # would be refused by gRPC on every retry
             raise RolloutRejected(grpc.StatusCode.INVALID_ARGUMENT,
@@ -230,10 +236,12 @@ class RolloutQueueClient:
     # ---------------------------------------------------------------- learner
 
     def get_batch(self, num_groups: int, timeout_s: float,
-                  learner_version: Optional[int] = None) -> Optional[Batch]:
+                  learner_version: Optional[int] = None,
+                  max_lag: Optional[int] = None) -> Optional[Batch]:
         """A batch of exactly `num_groups` whole groups, or None if none within `timeout_s`.
 
-        `learner_version` (if given) is announced first, as `set_version`. Retries of this call
+        `learner_version` and `max_lag` (if given) are announced first, as `set_version`:
+        the batch is cut under that staleness limit. Retries of this call
         after a lost response return the same batch. Raises `QueueUnavailable` if the server
         stays unreachable past `timeout_s`.
         """
@@ -243,6 +251,8 @@ class RolloutQueueClient:
                                      request_id=uuid.uuid4().hex)
         if learner_version is not None:
             request.learner_version = learner_version
+        if max_lag is not None:
+            request.max_lag = max_lag
         deadline = time.monotonic() + timeout_s
 
         def call():  # the whole stream, or an exception: a broken stream is re-asked
@@ -265,9 +275,11 @@ class RolloutQueueClient:
                                                      metadata=self._md), _TRANSIENT, timeout_s)
         return resp.acked
 
-    def set_version(self, version: int, timeout_s: float = 60.0) -> int:
-        """Announces the learner's version. Call BEFORE publishing weights `version`."""
-        request = pb.SetVersionRequest(version=version)
+    def set_version(self, version: int, timeout_s: float = 60.0,
+                    max_lag: Optional[int] = None) -> int:
+        """Announces the learner's version (and, if given, the allowed lag from now on). Call
+        BEFORE publishing weights `version`."""
+        request = pb.SetVersionRequest(version=version, max_lag=max_lag)
         resp = self._retrying(lambda: self._stub.SetVersion(
             request, timeout=self.rpc_timeout_s, metadata=self._md), _TRANSIENT, timeout_s)
         return resp.version
@@ -281,7 +293,7 @@ class RolloutQueueClient:
 
     def stats(self, timeout_s: float = 60.0) -> dict:
         resp = self._retrying(lambda: self._stub.GetStats(
-            pb.StatsRequest(), timeout=self.rpc_timeout_s, metadata=self._md),
+            pb.StatsRequest(producer_id=self.producer_id), timeout=self.rpc_timeout_s, metadata=self._md),
             _TRANSIENT, timeout_s)
         return _to_dict(resp)
 

@@ -17,7 +17,13 @@ Staleness at get time, against the learner's current version L: a group's lag is
 `L - min(version)` over all its tokens. With `max_lag` set, groups with lag > max_lag are
 dropped (`stale_policy='drop'`, counted in `dropped_groups['stale']`) or delivered and
 counted (`'keep'`). Groups holding a version > L (possible only after the learner rolled
-back to an older checkpoint) are dropped as `'future'`.
+back to an older checkpoint) are dropped as `'future'`. The learner may change `max_lag` while
+running (closed-loop staleness control, `pipelinerl_jax.lag_control`): `set_version` and
+`get_batch` carry it, and `stats().max_lag` tells the producers.
+
+Every dropped group is also counted for the producer that put it (`put(producer_id=...)`;
+`stats(producer_id).producer_dropped_groups`): a worker that reserved a place in a learner
+batch for the group learns it will never arrive and frees the place.
 
 Delivery is at-least-once, per consumer session (see `get_batch`).
 """
@@ -37,6 +43,11 @@ from pipelinerl_jax.transport.codec import InvalidRollout, RolloutInfo
 STALE_POLICIES = ("drop", "keep")
 _REMEMBER = 65536  # request ids / closed group ids / old sessions remembered (bounded)
 PIECE_BYTES = 4 << 20  # a delivered batch streams in pieces of about this size
+
+
+def _check_max_lag(max_lag: Optional[int]) -> None:
+    if max_lag is not None and max_lag < 0:
+        raise ValueError(f"max_lag must be >= 0, got {max_lag}")
 
 
 class QueueFull(Exception):
@@ -69,6 +80,7 @@ class _Group:
     min_version: int = 0
     max_version: int = 0
     updated: float = 0.0
+    producer: str = ""
 
 
 @dataclasses.dataclass
@@ -121,16 +133,21 @@ class QueueCore:
         self.counters = collections.Counter()
         self.dropped_groups, self.dropped_rollouts = collections.Counter(), collections.Counter()
         self.lag_histogram = collections.Counter()
+        self.producer_drops = _Bounded()  # producer_id -> groups of its dropped
         self.max_held_rollouts = self.max_held_bytes = 0
 
     # ---------------------------------------------------------------- version
 
-    def set_version(self, version: int) -> int:
-        """The learner's current version. It may go down (restart from an older checkpoint)."""
+    def set_version(self, version: int, max_lag: Optional[int] = None) -> int:
+        """The learner's current version. It may go down (restart from an older checkpoint).
+        `max_lag`, if given, replaces the staleness policy's allowed lag."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
+        _check_max_lag(max_lag)
         with self._cv:
             self.learner_version = int(version)
+            if max_lag is not None:
+                self.max_lag = int(max_lag)
             self._cv.notify_all()
             return self.learner_version
 
@@ -140,8 +157,10 @@ class QueueCore:
     # ---------------------------------------------------------------- put
 
     def put(self, rollouts: Sequence[pb.Rollout], infos: Sequence[RolloutInfo],
-            request_id: str = "", hold_s: float = 0.0) -> tuple[int, bool]:
-        """Stores all rollouts or none; returns (accepted, duplicate).
+            request_id: str = "", hold_s: float = 0.0,
+            producer_id: str = "") -> tuple[int, bool]:
+        """Stores all rollouts or none; returns (accepted, duplicate). Groups started by this
+        request are `producer_id`'s (their drops are counted for it).
 
         Raises GroupRejected (bad group membership), NoVersionYet, QueueFull.
         """
@@ -178,7 +197,7 @@ class QueueCore:
             finally:
                 if holding:
                     self._holding -= 1
-            self._store_locked(rollouts, infos)
+            self._store_locked(rollouts, infos, producer_id)
             if request_id:
                 self._requests.add(request_id)
             self.counters["put_requests"] += 1
@@ -232,13 +251,13 @@ class QueueCore:
                 nbytes += piece
         return slots, nbytes
 
-    def _store_locked(self, rollouts, infos) -> None:
+    def _store_locked(self, rollouts, infos, producer_id: str = "") -> None:
         now = self._clock()
         for m, info in zip(rollouts, infos):
             group = self._pending.get(info.group_id)
             if group is None:
                 group = _Group(info.group_id, info.group_size, [], [], 0,
-                               info.min_version, info.max_version)
+                               info.min_version, info.max_version, producer=producer_id)
                 self._pending[info.group_id] = group
                 self._held_rollouts += group.size
             group.members.append(m)
@@ -267,13 +286,19 @@ class QueueCore:
                 break
             del self._pending[gid]
             self._closed_groups.add(gid, "expired")
-            self._release_locked(group.size, group.nbytes)
-            self.dropped_groups["incomplete_timeout"] += 1
-            self.dropped_rollouts["incomplete_timeout"] += len(group.members)
+            self._drop_locked(group, "incomplete_timeout")
 
     def expire(self) -> None:
         with self._cv:
             self._expire_locked()
+
+    def _drop_locked(self, group: _Group, reason: str) -> None:
+        self.dropped_groups[reason] += 1
+        self.dropped_rollouts[reason] += len(group.members)
+        if group.producer:
+            self.producer_drops.add(group.producer,
+                                    self.producer_drops.get(group.producer, 0) + 1)
+        self._release_locked(group.size, group.nbytes)
 
     def _release_locked(self, slots: int, nbytes: int) -> None:
         self._held_rollouts -= slots
@@ -284,8 +309,10 @@ class QueueCore:
 
     def get_batch(self, num_groups: int, timeout_s: float, session_id: str,
                   request_id: str = "", learner_version: Optional[int] = None,
-                  is_active: Callable[[], bool] = lambda: True) -> Optional[Batch]:
+                  is_active: Callable[[], bool] = lambda: True,
+                  max_lag: Optional[int] = None) -> Optional[Batch]:
         """Returns a batch of exactly `num_groups` whole groups, or None after `timeout_s`.
+        `learner_version` and `max_lag`, if given, are announced first (as `set_version`).
 
         At-least-once semantics:
         - A batch stays *outstanding* (held, counted against capacity) until acked.
@@ -298,12 +325,15 @@ class QueueCore:
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        _check_max_lag(max_lag)
         deadline = self._clock() + max(0.0, timeout_s)
         with self._cv:
             self.counters["get_requests"] += 1
             self._switch_session_locked(session_id)
             if learner_version is not None:
                 self.learner_version = int(learner_version)
+            if max_lag is not None:
+                self.max_lag = int(max_lag)
             if request_id and self._last_get and self._last_get[0] == request_id:
                 batch = self._outstanding.get(self._last_get[1])
                 if batch is not None:
@@ -357,9 +387,7 @@ class QueueCore:
             if reason is None:
                 keep.append(group)
                 continue
-            self.dropped_groups[reason] += 1
-            self.dropped_rollouts[reason] += len(group.members)
-            self._release_locked(group.size, group.nbytes)
+            self._drop_locked(group, reason)
         self._ready = keep
 
     def _cut_locked(self, num_groups: int) -> Batch:
@@ -409,7 +437,8 @@ class QueueCore:
 
     # ---------------------------------------------------------------- stats / lifecycle
 
-    def stats(self) -> pb.QueueStats:
+    def stats(self, producer_id: str = "") -> pb.QueueStats:
+        """Counters and state; `producer_dropped_groups` is `producer_id`'s count."""
         with self._cv:
             self._expire_locked()
             c = self.counters
@@ -425,7 +454,10 @@ class QueueCore:
                 pending_rollouts=sum(len(g.members) for g in self._pending.values()),
                 outstanding_batches=len(self._outstanding),
                 outstanding_rollouts=sum(b.num_rollouts for b in self._outstanding.values()),
-                uptime_s=self._clock() - self._started)
+                uptime_s=self._clock() - self._started,
+                max_lag=-1 if self.max_lag is None else self.max_lag,
+                producer_dropped_groups=self.producer_drops.get(producer_id, 0)
+                if producer_id else 0)
             for key in ("put_requests", "put_rollouts", "put_duplicates", "put_refused_full",
                         "put_refused_no_version", "put_invalid", "batches_delivered",
                         "batches_redelivered", "batches_acked", "groups_delivered",

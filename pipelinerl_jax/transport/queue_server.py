@@ -36,6 +36,7 @@ from pipelinerl_jax.transport.security import (
 SERVICE = "pipelinerl_jax.RolloutQueue"
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 _GET_BATCH_MAX_WAIT_S = 300.0
+MAX_PRODUCER_ID = 128  # characters of PutRequest.producer_id
 
 
 def _identity(x):
@@ -81,7 +82,8 @@ class RolloutQueueServer:
                 self._set_version, pb.SetVersionRequest.FromString,
                 pb.SetVersionResponse.SerializeToString),
             "GetStats": grpc.unary_unary_rpc_method_handler(
-                lambda request, context: self.core.stats(), pb.StatsRequest.FromString,
+                lambda request, context: self.core.stats(request.producer_id[:MAX_PRODUCER_ID]),
+                pb.StatsRequest.FromString,
                 pb.QueueStats.SerializeToString),
         }
         self.method_kinds = {name: (h.request_streaming, h.response_streaming)
@@ -151,6 +153,10 @@ class RolloutQueueServer:
             self.core.count_invalid()
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, "rollouts: request is empty",
                           "rollouts")
+        if len(request.producer_id) > MAX_PRODUCER_ID:
+            self.core.count_invalid()
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, f"producer_id: longer than "
+                          f"{MAX_PRODUCER_ID} characters", "producer_id")
         announced = self.core.announced_version()
         try:
             infos = []
@@ -160,7 +166,8 @@ class RolloutQueueServer:
                 except InvalidRollout as e:
                     raise e.prefixed(f"rollouts[{i}]") from None
             hold = min(max(request.hold_s, 0.0), self.max_hold_s)
-            accepted, dup = self.core.put(request.rollouts, infos, request.request_id, hold)
+            accepted, dup = self.core.put(request.rollouts, infos, request.request_id, hold,
+                                          request.producer_id)
         except InvalidRollout as e:
             self.core.count_invalid()
             code = (grpc.StatusCode.FAILED_PRECONDITION
@@ -192,6 +199,10 @@ class RolloutQueueServer:
         if learner_version is not None and learner_version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"learner_version: must be >= 0, got {learner_version}")
+        max_lag = request.max_lag if request.HasField("max_lag") else None
+        if max_lag is not None and max_lag < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_lag: must be >= 0, got {max_lag}")
         if request.num_groups < 1 or not request.session_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "num_groups: must be >= 1" if request.num_groups < 1
@@ -199,7 +210,8 @@ class RolloutQueueServer:
         timeout = min(max(request.timeout_s, 0.0), _GET_BATCH_MAX_WAIT_S)
         try:
             batch = self.core.get_batch(request.num_groups, timeout, request.session_id,
-                                        request.request_id, learner_version, context.is_active)
+                                        request.request_id, learner_version, context.is_active,
+                                        max_lag)
         except SessionSuperseded as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         if batch is None:
@@ -219,7 +231,11 @@ class RolloutQueueServer:
         if request.version < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"version: must be >= 0, got {request.version}")
-        return pb.SetVersionResponse(version=self.core.set_version(request.version))
+        max_lag = request.max_lag if request.HasField("max_lag") else None
+        if max_lag is not None and max_lag < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"max_lag: must be >= 0, got {max_lag}")
+        return pb.SetVersionResponse(version=self.core.set_version(request.version, max_lag))
 
 
 # -------------------------------------------------------------------- standalone entry point
