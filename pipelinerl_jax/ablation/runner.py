@@ -21,7 +21,9 @@ in `experiments/train.py`, each process supervised by `launch/supervisor.py`. A 
 run's `events.jsonl` (launch/outcome.py: it stopped on non-finite steps, a result in itself).
 Resuming: a run whose status is `done` or `diverged` is skipped; a run interrupted after a
 committed checkpoint restarts in place and its learner resumes from that checkpoint; one
-interrupted before any checkpoint is wiped and restarted; a `failed` one is retried.
+interrupted before any checkpoint is wiped and restarted; a `failed` one is retried. A
+finished run whose config differs from this grid's on a key both hold is refused (ConfigError),
+never skipped: its result is another grid's.
 
 Parallel runs: with `runner.parallel = n > 1` and `runner.pin`, the available cores are split
 into n sets and every process of run slot i (learner and sampler alike) is pinned to set i.
@@ -43,6 +45,7 @@ import ml_collections
 from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation import results
 from pipelinerl_jax.ablation.grid import RunSpec, axis_labels, expand
+from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.launch import launch, outcome
 from pipelinerl_jax.launch.supervisor import Child, exit_now, tail, wait_any
 from pipelinerl_jax.launch.warm_start import warm_start
@@ -124,6 +127,24 @@ def run_child(run_dir: str, env: dict) -> Child:
                  os.path.join(run_dir, "ablate.log"), env=env).start()
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_conflicts(old: dict, new: dict) -> List[str]:
+    """Keys both experiment configs (JSON form) hold with different values. A key only one
+    holds is a code version's new (or retired) option at its default, not a conflict: a grid
+    resumed after an upgrade keeps its finished runs."""
+    a, b = _flat(old), _flat(new)
+    return sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+
+
 def prepare_run(run: RunSpec, run_dir: str) -> str:
     """Makes `run_dir` ready to (re)start `run`; returns 'skip', 'resume' or 'start'."""
     status = run_status(run_dir)
@@ -133,7 +154,7 @@ def prepare_run(run: RunSpec, run_dir: str) -> str:
     spec = json.loads(json.dumps({"name": run.name, "labels": run.labels, "cell": run.cell,
                                   "experiment": run.config.to_dict()}))
     old = _read_json(os.path.join(run_dir, "spec.json"))
-    if old is not None and old.get("experiment") != spec["experiment"]:
+    if old is not None and config_conflicts(old.get("experiment") or {}, spec["experiment"]):
         # The grid's config changed under this run: its partial results are not this run's.
         status = "changed"
     if status in ("partial", "failed") and committed_checkpoints(run_dir):
@@ -170,7 +191,14 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
     todo = []
     skipped = []
     for r in runs:
-        if run_status(os.path.join(workdir, "runs", r.dirname)) in FINAL:
+        run_dir = os.path.join(workdir, "runs", r.dirname)
+        if run_status(run_dir) in FINAL:
+            old = (_read_json(os.path.join(run_dir, "spec.json")) or {}).get("experiment") or {}
+            clash = config_conflicts(old, json.loads(json.dumps(r.config.to_dict())))
+            if clash:  # another grid's run under this name: never pass its result off as this one's
+                raise ConfigError("axes", f"run {r.name} in {workdir} finished with a different "
+                                          f"config ({', '.join(clash[:5])}); give this grid's "
+                                          f"run another label or another workdir")
             skipped.append(r.name)
         else:
             todo.append(r)

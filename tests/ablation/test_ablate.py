@@ -213,3 +213,33 @@ def test_warmup_runs_a_short_copy_once_and_times_it(tmp_path, monkeypatch):
     assert cfg["learner"]["checkpoint_every"] == 5 and cfg["seed"] == e.seed
     assert started == [(d, {"PIPELINERL_JAX_CACHE": "/x"})]
     assert runner.warmup(e, d, 5, {})["wall_s"] == 0 and len(started) == 1  # done: skipped
+
+
+def test_runs_go_one_replicate_at_a_time():
+    c = grid.ablation_config(_tiny_experiment())
+    c.axes.lag = grid.sweep("lag_injection.k", (0, 1), also=("lag_injection.max_k",))
+    c.axes.seed = grid.sweep("seed", (0, 1))
+    assert [r.name for r in runner.replicate_major(c, grid.expand(c))] == [
+        "lag=0,seed=0", "lag=1,seed=0", "lag=0,seed=1", "lag=1,seed=1"]
+
+
+def test_config_conflicts_ignore_keys_only_one_version_has():
+    old = {"learner": {"lr": 1e-4, "steps": 60}, "loss": {"name": "tis"}}
+    assert runner.config_conflicts(old, {"learner": {"lr": 1e-4, "steps": 60}, "loss":
+                                         {"name": "tis"}, "lag_control": {"enabled": False}}) == []
+    assert runner.config_conflicts(old, {"learner": {"lr": 3e-4, "steps": 60},
+                                         "loss": {"name": "ppo"}}) == ["learner.lr", "loss.name"]
+
+
+def test_a_finished_run_of_another_config_is_refused_not_skipped(tmp_path):
+    """Two grids in one workdir whose runs share a name (e.g. a repro grid with other
+    hyperparameters): the second must not take the first one's result as its own."""
+    c = grid.ablation_config(_tiny_experiment())
+    c.axes.seed = grid.sweep("seed", (0,))
+    run = grid.expand(c)[0]
+    d = tmp_path / "runs" / run.dirname
+    runner.prepare_run(run, str(d))
+    json.dump({"status": "done"}, open(d / "status.json", "w"))
+    c.experiment.learner.optimizer.learning_rate = 3e-4
+    with pytest.raises(ConfigError, match="learner.optimizer.learning_rate"):
+        runner.run_grid(c, str(tmp_path), log=lambda m: None)
