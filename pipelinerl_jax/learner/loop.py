@@ -47,7 +47,7 @@ from flax import nnx
 
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.lag_injection import LagInjector
-from pipelinerl_jax.learner import batching, multihost, train_step as ts
+from pipelinerl_jax.learner import batching, multihost, recording, train_step as ts
 from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
@@ -222,6 +222,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     queue.wait_ready(60.0)
     feed = multihost.BatchFeed(queue)
     acks = BatchAcks(queue, ckpt)
+    recorder = recording.recorder(cfg, workdir, init_checkpoint)  # learner.record_batches
 
     def ship(version: int, host) -> Dict[str, np.ndarray]:
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
@@ -304,6 +305,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                       "queue/unavailable_errors": feed.unavailable}
             record.update(batch_metrics(rollouts, packed, version - 1))
             record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
+            if recorder is not None:  # the exact arrays just trained on, for replay
+                recorder.record(step, version - 1, batch.batch_id, rollouts, packed.arrays, record)
             if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
                 last = evaluate(publication.result(), version)
                 record.update(last)
