@@ -84,3 +84,47 @@ def test_replay_with_the_same_loss_is_exact_and_another_loss_differs(tmp_path, i
     assert all(not np.isclose(moved[s]["loss/loss"], want[s]["loss/loss"], rtol=1e-3)
                for s in want)
     assert "loss/clip_frac" in moved[1]
+
+
+def _same_ids(group_id):
+    """A group id without its per-process nonce (`w0-1a2b3c-7` -> `w0-7`): the request seed
+    and prompt follow the worker's sequence number, the nonce only keeps restarts apart."""
+    return re.sub(r"^(w\d+)-[0-9a-f]+-(\d+)$", r"\1-\2", group_id)
+
+
+def test_async_with_max_lag_0_trains_on_the_sync_runs_data(tmp_path, init_ckpt):
+    """`max_lag=0` admits a group for batch v only while the engine holds version v, which is
+    what sync mode does (it sets max_lag=0): the same seeds give the same batches."""
+    runs = {}
+    for mode in ("sync", "async"):
+        run_train(tmp_path / mode, f"--config.mode={mode}", "--config.max_lag=0",
+                  "--config.learner.eval_every=0", f"--config.warm_start.checkpoint={init_ckpt}",
+                  *RUN_FLAGS)
+        rows = [r for r in read_jsonl(tmp_path / mode / "metrics.jsonl") if r["step"] > 0]
+        batches = [b for b in read_jsonl(tmp_path / mode / "batches.jsonl")
+                   if b["action"] == "trained"]
+        index = recording.read_index(str(tmp_path / mode / "recorded"))
+        runs[mode] = rows, batches, index
+    (sync_rows, sync_batches, sync_index), (rows, batches, index) = runs["sync"], runs["async"]
+    assert [b["step"] for b in batches] == [b["step"] for b in sync_batches] == [1, 2, 3]
+    # The same groups in the same steps, the same rows in the same order.
+    assert ([[_same_ids(g) for g in b["group_ids"]] for b in batches]
+            == [[_same_ids(g) for g in b["group_ids"]] for b in sync_batches])
+    assert ([[_same_ids(g) for g in e["group_ids"]] for e in index]
+            == [[_same_ids(g) for g in e["group_ids"]] for e in sync_index])
+    assert [e["rewards"] for e in index] == [e["rewards"] for e in sync_index]
+    for r, s in zip(rows, sync_rows):
+        assert r["lag/max"] == s["lag/max"] == 0
+        assert r["reward/mean"] == s["reward/mean"]
+        for k in [k for k in s if k.startswith("loss/")]:
+            np.testing.assert_allclose(r[k], s[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    # The trained arrays: token ids, masks and lags exactly; behaviour log-probs to rounding
+    # (the engine batches the same requests together at slightly different times).
+    for e, s in zip(index, sync_index):
+        a = recording.load_arrays(str(tmp_path / "async" / "recorded"), e)
+        b = recording.load_arrays(str(tmp_path / "sync" / "recorded"), s)
+        for k in a:
+            if a[k].dtype.kind == "f" and k != "loss_mask":
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            else:
+                np.testing.assert_array_equal(a[k], b[k], err_msg=k)
