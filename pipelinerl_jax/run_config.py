@@ -79,6 +79,7 @@ def base_config() -> ml_collections.ConfigDict:
         checkpoint_every=10, keep_checkpoints=2,
         max_consecutive_skips=20,
         get_timeout_s=2.0,
+        record_batches=False,  # WORKDIR/recorded/: every trained batch, for replay
     ))
     c.warm_start = ml_collections.ConfigDict(dict(
         steps=0,  # supervised steps on the task's demonstrations before RL (0 = none)
@@ -205,6 +206,9 @@ def validate(cfg) -> None:
     _int(cfg, "learner.eval_every")
     if L.recompute_proximal not in ("auto", True, False):
         raise ConfigError("learner.recompute_proximal", "must be 'auto', True or False")
+    if not isinstance(L.record_batches, bool):
+        raise ConfigError("learner.record_batches", f"must be True or False, "
+                                                    f"got {L.record_batches!r}")
     shape = tuple(cfg.mesh.shape)
     if len(shape) != 3 or any(not isinstance(x, int) or x < 1 for x in shape):
         raise ConfigError("mesh.shape", f"must be three positive sizes (data, fsdp, tensor), "

@@ -48,7 +48,7 @@ from flax import nnx
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.lag_control import LagController
 from pipelinerl_jax.lag_injection import LagInjector
-from pipelinerl_jax.learner import batching, multihost, train_step as ts
+from pipelinerl_jax.learner import batching, multihost, recording, train_step as ts
 from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
@@ -224,6 +224,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     feed = multihost.BatchFeed(queue)
     acks = BatchAcks(queue, ckpt)
     lag_ctl = LagController.from_config(cfg)  # the allowed lag: fixed, or closed-loop
+    recorder = recording.recorder(cfg, workdir, init_checkpoint)  # learner.record_batches
 
     def ship(version: int, host) -> Dict[str, np.ndarray]:
         """Announce `version` to the queue, then ship it (this order: rollouts sampled with
@@ -309,6 +310,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
             record.update(batch_metrics(rollouts, packed, version - 1))
             record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
             record.update(control)
+            if recorder is not None:  # the exact arrays just trained on, for replay
+                recorder.record(step, version - 1, batch.batch_id, rollouts, packed.arrays, record)
             if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
                 last = evaluate(publication.result(), version)
                 record.update(last)
