@@ -8,8 +8,9 @@ it holds no device memory):
   env     what is installed: each `install_requires` entry of setup.py against the installed
           version (missing or out of range is reported; off the CPU, a wheel carried in `.whl/`
           is installed for it with `pip --no-index --no-deps`), then `pip install --no-deps
-          --no-build-isolation --no-index -e .` over the image's JAX, then a JAX probe
-          (backend, devices, device kind). Nothing is fetched from the network.
+          --no-build-isolation --no-index -e .` over the image's JAX (the parts also get the
+          repo on PYTHONPATH), then a probe: JAX's backend, devices and device kind, and the
+          project's modules imported (import errors named). Nothing is fetched.
   model   scripts/bench_real_size.py --only learner: the train step on the Qwen2.5-0.5B shape
           (bf16 compute), MFU against the bf16 matmul peak measured in the same process.
   engine  scripts/bench_real_size.py --only engine: JaxEngine decode tokens/s at batch 1/8/32
@@ -39,6 +40,7 @@ import glob
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +54,7 @@ PARTS = ("env", "model", "engine", "train")
 LIMITS = {"gpu": {"env": 60, "model": 150, "engine": 100, "train": 170},
           "cpu": {"env": 60, "model": 180, "engine": 120, "train": 300}}
 TOTAL_S = {"gpu": 465, "cpu": 900}
+GRACE_S = 20  # of a part's limit, between SIGTERM and SIGKILL
 # Distributions whose wheels `--download-wheels` fetches: the accelerator image (KINDS.md)
 # lacks the first three; the others it has, perhaps in a version outside setup.py's range.
 # JAX, numpy, transformers & co. are the image's own and never replaced.
@@ -139,11 +142,16 @@ class Runner:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
                                     stderr=f, text=True, start_new_session=True)
             try:
-                stdout, _ = proc.communicate(timeout=limit)
+                stdout, _ = proc.communicate(timeout=max(limit - GRACE_S, 1))
                 status = "ok" if proc.returncode == 0 else "failed"
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)  # the part's whole process group (train's children)
-                stdout, _ = proc.communicate()
+                # SIGTERM first: the launcher then stops its children (own sessions) itself
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    stdout, _ = proc.communicate(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    stdout, _ = proc.communicate()
                 status = "timeout"
             f.write(stdout)
         res = {"status": status, "rc": proc.returncode, "time_s": round(time.monotonic() - t, 1),
@@ -169,18 +177,58 @@ def _last_json(text: str):
     return None
 
 
+PROBE = """
+import importlib, json
+out, errors = {}, {}
+try:
+    import jax, jaxlib
+    d = jax.devices()
+    out.update(backend=jax.default_backend(), devices=len(d), device_kind=d[0].device_kind,
+               jax=jax.__version__, jaxlib=jaxlib.__version__)
+except Exception as e:
+    errors["jax"] = f"{type(e).__name__}: {e}"[:400]
+for m in MODULES:
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        errors[m] = f"{type(e).__name__}: {e}"[:400]
+out["import_errors"] = errors
+print(json.dumps(out))
+"""
+# What the parts import: an import-time failure (a gencode/protobuf mismatch, a flax API
+# change) shows up here, named, before the parts run.
+MODULES = ("pipelinerl_jax.learner.loop", "pipelinerl_jax.rollout.jax_engine",
+           "pipelinerl_jax.transport.queue_server", "pipelinerl_jax.launch", "ml_collections",
+           "tensorboardX")
+SITE = os.path.join(tempfile.gettempdir(), "device_check_site")
+
+
+def install_wheels(r: Runner, wheels: list) -> str:
+    """pip-installs carried wheels offline into this Python's environment, or where that is
+    not writable into SITE (then put first on every part's PYTHONPATH)."""
+    base = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+            "--no-compile"]
+    if r.run("env", base + wheels, 120)["status"] == "ok":
+        return "ok"
+    res = r.run("env", base + ["--target", SITE, "--upgrade"] + wheels, 120)
+    if res["status"] == "ok":
+        r.env["PYTHONPATH"] = os.pathsep.join([SITE, r.env["PYTHONPATH"]])
+        sys.path.insert(0, SITE)
+        return "ok (--target " + SITE + ")"
+    return "failed"
+
+
 def part_env(r: Runner, install: bool) -> dict:
     out = {"python": sys.version.split()[0], "executable": sys.executable}
     reqs = check_requirements()
     if install:
-        bad = [n for n, v in reqs.items() if v["ok"] is False]
-        wheels = carried_wheels(bad)
+        wheels = carried_wheels([n for n, v in reqs.items() if v["ok"] is False])
         if wheels:
-            res = r.run("env", [sys.executable, "-m", "pip", "install", "-q", "--no-index",
-                                "--no-deps", "--no-compile", *wheels], 120)
             out["carried_wheels"] = [os.path.basename(w) for w in wheels]
-            out["carried_status"] = res["status"]
+            out["carried_status"] = install_wheels(r, wheels)
             reqs = check_requirements()
+        # --no-build-isolation: the image's setuptools, nothing fetched; on failure the
+        # parts still import the project through PYTHONPATH.
         res = r.run("env", [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                             "--no-build-isolation", "--no-index", "-e", "."], 120)
         out["install"] = res["status"]
@@ -188,24 +236,28 @@ def part_env(r: Runner, install: bool) -> dict:
             out["install_error"] = res["error"]
     out["requirements_unmet"] = {n: v for n, v in reqs.items() if v["ok"] is False}
     out["versions"] = {n: v["have"] for n, v in reqs.items()}
-    probe = ("import json, jax; d = jax.devices(); print(json.dumps({'backend': "
-             "jax.default_backend(), 'devices': len(d), 'device_kind': d[0].device_kind, "
-             "'jax': jax.__version__, 'jaxlib': __import__('jaxlib').__version__}))")
-    res = r.run("env", [sys.executable, "-c", probe], LIMITS[r.mode]["env"])
+    res = r.run("env", [sys.executable, "-c", f"MODULES = {MODULES!r}\n" + PROBE],
+                LIMITS[r.mode]["env"])
     out.update(_last_json(res["stdout"]) or {})
     missing = [n for n, v in reqs.items() if v["have"] is None]
-    out["status"] = "ok" if res["status"] == "ok" and not missing else "failed"
+    problems = []
     if missing:
-        out["error"] = (f"not installed: {', '.join(missing)}; carry their wheels in .whl/ "
+        problems.append(f"not installed: {', '.join(missing)}; carry their wheels in .whl/ "
                         "(bash scripts/device_check.sh --download-wheels where pip works)")
-    elif res["status"] != "ok":
-        out["error"] = res["error"]
+    if out.get("import_errors"):
+        problems.append(f"import errors: {out['import_errors']}")
+    if res["status"] != "ok":
+        problems.append(res["error"])
+    out["status"] = "failed" if problems else "ok"
+    if problems:
+        out["error"] = "; ".join(problems)
     return out
 
 
-def part_bench(r: Runner, part: str, workdir: str) -> dict:
+def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
     cmd = [sys.executable, "scripts/bench_real_size.py", "--only",
-           "learner" if part == "model" else "engine", f"--workdir={workdir}"]
+           "learner" if part == "model" else "engine", f"--workdir={workdir}",
+           f"--param-dtype={param_dtype}"]
     if r.mode == "cpu":
         cmd.append("--smoke")
     res = r.run(part, cmd, LIMITS[r.mode][part])
@@ -247,7 +299,12 @@ def part_train(r: Runner, workdir: str, steps: int) -> dict:
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(path):
         with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+            lines = [line for line in f if line.strip()]
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut short by a killed learner
+                pass
     train_rows = [x for x in rows if "learner/step_time_s" in x]
 
     def med(key):
@@ -278,6 +335,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=None, help="checkpoints and run dirs (default: tmp)")
     p.add_argument("--only", default=",".join(PARTS), help="comma-separated parts")
     p.add_argument("--steps", type=int, default=None, help="RL steps of the train part")
+    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model part's learner parameter dtype (compute is bf16 off-CPU)")
     p.add_argument("--no-install", action="store_true", help="skip the pip installs")
     p.add_argument("--download-wheels", action="store_true",
                    help="fill .whl/ with the wheels to carry, then exit (needs the network)")
@@ -297,19 +356,23 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     if mode == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-    else:  # fail loudly rather than fall back to CPU; no process takes 75% of the GPU
+    else:  # fail loudly rather than fall back to CPU
         env.setdefault("JAX_PLATFORMS", "cuda")
     env.pop("XLA_FLAGS", None)  # bench_real_size and the launcher set their own
     r = Runner(out, mode, env)
     t0 = time.monotonic()
     result = {"device_check": 1, "mode": mode}
-    if "env" in only:
-        result["env"] = part_env(r, install=mode != "cpu" and not a.no_install)
-    for part in ("model", "engine"):
+    parts = {"env": lambda: part_env(r, install=mode != "cpu" and not a.no_install),
+             "model": lambda: part_bench(r, "model", bench_dir, a.param_dtype),
+             "engine": lambda: part_bench(r, "engine", bench_dir, a.param_dtype),
+             "train": lambda: part_train(r, workdir, a.steps or TRAIN_STEPS[mode])}
+    bench_dir = os.path.join(workdir, "bench")
+    for part in PARTS:
         if part in only:
-            result[part] = part_bench(r, part, os.path.join(workdir, "bench"))
-    if "train" in only:
-        result["train"] = part_train(r, workdir, a.steps or TRAIN_STEPS[mode])
+            try:
+                result[part] = parts[part]()
+            except Exception as e:  # noqa: BLE001 - the JSON line must still come out
+                result[part] = {"status": "failed", "error": f"driver: {type(e).__name__}: {e}"}
     result["ok"] = all(result[k]["status"] == "ok" for k in only)
     result["time_s"] = round(time.monotonic() - t0, 1)
     line = json.dumps(result)

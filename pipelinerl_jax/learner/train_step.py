@@ -181,9 +181,9 @@ def init_state(model, optimizer, mesh: Mesh) -> TrainState:
     """The initial state, every leaf placed explicitly on `mesh`.
 
     Optimizer moments (float32 whatever the params' dtype) take the sharding of the parameter
-    they mirror (found by path suffix and shape), everything else is replicated. Explicit placement matters beyond memory: a
-    leaf left uncommitted on the first call would differ in type from the step's output and
-    cost a recompilation on the second call.
+    they mirror (found by path suffix and shape), everything else is replicated. Explicit
+    placement matters beyond memory: a leaf left uncommitted on the first call would differ
+    in type from the step's output and cost a recompilation on the second call.
     """
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     by_path = {tuple(p): (x.shape, x.sharding)
