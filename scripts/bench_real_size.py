@@ -1,15 +1,21 @@
 """Real-size benchmark: a Qwen2.5-0.5B-shaped model through the sharded learner and the engine.
 
-    python scripts/bench_real_size.py [--smoke] [--param-dtype bfloat16] [--workdir DIR]
+    python scripts/bench_real_size.py [--smoke] [--param-dtype bfloat16] [--dtype bfloat16]
+                                      [--only learner|engine] [--workdir DIR]
 
-Writes a random HF checkpoint with Qwen2.5-0.5B's config dimensions (nothing downloaded),
-loads it as the learner does on 8 CPU devices (mesh data=1 x fsdp=4 x tensor=2), and times the
-real train step (PPO loss, AdamW, 2 micro-batches, 8 seqs x 128 tokens): per-device parameter/optimizer bytes, XLA's
-temporary (activation) bytes, step time, tokens/s and MFU against the float32 matmul peak
-measured in the same run. Then the JaxEngine (one device) decodes at batch 1/8/32 and its
-tokens/s is compared with the rooflines measured in the same run: memory bandwidth (a large
-on-device copy; each decode step reads the weights and the live KV) and compute (the matmul
-peak, 2·params FLOPs a token). `--smoke`: the tiny model, a few seconds. One JSON line.
+Writes a random HF checkpoint with Qwen2.5-0.5B's config dimensions (nothing downloaded; a
+rerun with the same --workdir reuses it), loads it as the learner does and times the real
+train step (PPO loss, AdamW, micro-batches): per-device parameter/optimizer bytes, XLA's
+temporary (activation) bytes, step time, tokens/s and MFU against the matmul peak measured in
+the same run in the compute dtype. On CPU: 8 virtual devices (mesh data=1 x fsdp=4 x
+tensor=2) sharing the host's cores, float32 compute, 8 seqs x 128 tokens, MFU against one
+device's peak. On GPU/TPU: every device on the fsdp axis, bf16 compute, 32 seqs x 512 tokens,
+MFU against the summed peak of the devices. Then the JaxEngine (one device) decodes at batch
+1/8/32 and its tokens/s is compared with the rooflines measured in the same run: memory
+bandwidth (a large on-device copy; each decode step reads the weights and the live KV) and
+compute (the matmul peak, 2·params FLOPs a token). `--param-dtype bfloat16`: bf16 master
+weights (float32 optimizer state; see learner/train_step.py). `--smoke`: the tiny model, a
+few seconds. Prints one JSON line.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from pipelinerl_jax.learner import batching, train_step as ts  # noqa: E402
 from pipelinerl_jax.losses import get_loss  # noqa: E402
 from pipelinerl_jax.models import ModelConfig, from_pretrained, save_pretrained  # noqa: E402
 from pipelinerl_jax.models import tiny_config  # noqa: E402
+from pipelinerl_jax.models.config import dtype_of  # noqa: E402
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.run_config import optimizer_config  # noqa: E402
@@ -56,12 +63,13 @@ def _median_time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measured_peaks(n: int, repeats: int) -> dict:
-    """float32 matmul FLOP/s and copy bandwidth (bytes read + written) on device 0."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+def measured_peaks(n: int, repeats: int, dtype, copy_bytes: int) -> dict:
+    """Matmul FLOP/s in `dtype` (n x n x n) and copy bandwidth (bytes read + written of a
+    `copy_bytes` array, past the caches) on device 0."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     mm = jax.jit(lambda x, y: x @ y)
     flops = 2 * n ** 3 / _median_time(lambda: mm(a, a), repeats)
-    big = jnp.ones((64 << 20) // 4, jnp.float32)  # 64 MiB: past the caches
+    big = jnp.ones(copy_bytes // 4, jnp.float32)
     cp = jax.jit(lambda x: x * 1.0001)
     bw = 2 * big.nbytes / _median_time(lambda: cp(big), repeats)
     return {"matmul_gflops": flops / 1e9, "copy_gbytes_s": bw / 1e9}
@@ -85,7 +93,7 @@ def _device0_bytes(tree) -> int:
 
 
 def bench_learner(ckpt: str, cfg: ModelConfig, a, peak_gflops: float) -> dict:
-    mesh = sharding.make_mesh((1, 4, 2))
+    mesh = sharding.make_mesh(a.mesh)
     model = from_pretrained(ckpt, dtype=a.dtype, param_dtype=a.param_dtype, mesh=mesh)
     optimizer, _ = ts.make_optimizer(optimizer_config())
     state = ts.init_state(model, optimizer, mesh)
@@ -102,8 +110,12 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, peak_gflops: float) -> dict:
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - optional figure
         temp = None
-    state, _ = compiled(state, batch, step.hparams)  # warm up
+    t = time.perf_counter()
+    state, metrics = compiled(state, batch, step.hparams)  # warm up
     jax.block_until_ready(state)
+    first_s = time.perf_counter() - t
+    if not np.isfinite(float(metrics["loss"])):
+        raise FloatingPointError(f"non-finite loss {float(metrics['loss'])}")
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
@@ -113,11 +125,14 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, peak_gflops: float) -> dict:
     step_s = sorted(times)[len(times) // 2]
     tokens = a.seqs * seq
     flops = 3 * cfg.flops_per_token(seq) * tokens
-    # the devices share this host's cores: MFU against one device's matmul peak
-    return {"mesh": "1x4x2", "param_dtype": a.param_dtype, "micro_batches": a.micro_batches,
-            "seqs": a.seqs, "seq_len": seq, "step_s": round(step_s, 3),
+    # CPU: the devices share this host's cores, so MFU is against one device's matmul peak
+    peak = peak_gflops * (1 if jax.default_backend() == "cpu" else mesh.size)
+    return {"mesh": "x".join(map(str, a.mesh)), "dtype": a.dtype,
+            "param_dtype": a.param_dtype, "micro_batches": a.micro_batches,
+            "seqs": a.seqs, "seq_len": seq, "first_step_s": round(first_s, 3),
+            "step_s": round(step_s, 4), "loss": round(float(metrics["loss"]), 4),
             "tokens_per_s": round(tokens / step_s, 1),
-            "mfu": round(flops / step_s / 1e9 / peak_gflops, 4),
+            "mfu": round(flops / step_s / 1e9 / peak, 4),
             "param_bytes_per_device": _device0_bytes(state.params),
             "opt_bytes_per_device": _device0_bytes(state.opt_state),
             "temp_bytes_per_device": temp}
@@ -126,7 +141,8 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, peak_gflops: float) -> dict:
 def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict) -> dict:
     max_seq = a.prompt + a.decode_tokens
     engine = JaxEngine(ckpt, {"max_slots": max(a.batches), "max_seq_len": max_seq,
-                              "dtype": a.dtype})
+                              "dtype": a.dtype, "max_prefill_batch": max(a.batches),
+                              "prefill_buckets": (a.prompt,)})
     wbytes = engine_memory.weight_bytes(cfg, engine._dtype)
     kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, engine._dtype)
     out = {}
@@ -154,35 +170,65 @@ def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict) -> dict:
     return out
 
 
+def _sizes(a, cpu: bool) -> None:
+    """Fills the unset sizes of `a` for the model and platform."""
+    if a.smoke:
+        sizes = dict(seqs=8, prompt=16, completion=16, micro_batches=2, steps=1,
+                     batches="1,8", decode_tokens=8, matmul_n=256)
+    elif cpu:
+        sizes = dict(seqs=8, prompt=32, completion=96, micro_batches=2, steps=1,
+                     batches="1,8,32", decode_tokens=32, matmul_n=2048)
+    else:  # ~16k tokens a step: big enough to keep an accelerator busy
+        sizes = dict(seqs=32, prompt=128, completion=384, micro_batches=2, steps=5,
+                     batches="1,8,32", decode_tokens=128, matmul_n=8192)
+    for k, v in sizes.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.batches = tuple(int(b) for b in str(a.batches).split(","))
+    n = len(jax.devices())
+    a.mesh = (1, 4, 2) if cpu and n == N_DEVICES else (1, n, 1)
+    if a.dtype == "auto":
+        a.dtype = "float32" if cpu else "bfloat16"
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true", help="the tiny model, a few seconds")
-    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the learner's parameter (master weight) dtype")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype of learner and engine, and of the matmul peak "
+                        "(auto: float32 on CPU, bfloat16 elsewhere)")
+    p.add_argument("--only", choices=("learner", "engine"), default=None)
     p.add_argument("--workdir", default=None)
+    for k in ("seqs", "prompt", "completion", "micro_batches", "steps", "decode_tokens",
+              "matmul_n"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+    p.add_argument("--batches", default=None, help="engine decode batches, e.g. 1,8,32")
     a = p.parse_args()
-    a.dtype = "float32"
-    if a.smoke:
-        cfg = tiny_config("qwen2", max_position_embeddings=256)
-        a.seqs, a.prompt, a.completion, a.micro_batches, a.steps = 8, 16, 16, 2, 1
-        a.batches, a.decode_tokens, n_mm = (1, 8), 8, 256
-    else:
-        cfg = ModelConfig(**QWEN_0_5B)
-        a.seqs, a.prompt, a.completion, a.micro_batches, a.steps = 8, 32, 96, 2, 1
-        a.batches, a.decode_tokens, n_mm = (1, 8, 32), 32, 2048
+    cpu = jax.default_backend() == "cpu"
+    _sizes(a, cpu)
+    cfg = tiny_config("qwen2", max_position_embeddings=256) if a.smoke \
+        else ModelConfig(**QWEN_0_5B)
     workdir = a.workdir or tempfile.mkdtemp(prefix="bench_real_size_")
     ckpt = os.path.join(workdir, "qwen2.5-0.5b-random")
     t = time.perf_counter()
     if not os.path.exists(os.path.join(ckpt, "config.json")):  # a rerun reuses it
         save_pretrained(sharding.create_model(cfg, seed=0), ckpt)
     write_s = time.perf_counter() - t
-    peaks = measured_peaks(n_mm, 3)
+    dev = jax.devices()[0]
+    peaks = measured_peaks(a.matmul_n, 3 if cpu else 10, dtype_of(a.dtype),
+                           (64 if cpu else 1024) << 20)
     out = {"model": "tiny" if a.smoke else "qwen2.5-0.5b-shape", "params": cfg.num_params,
-           "devices": f"{N_DEVICES} x {jax.devices()[0].platform}",
+           "devices": f"{len(jax.devices())} x {dev.platform}",
+           "device_kind": dev.device_kind, "jax": jax.__version__,
            "checkpoint_write_s": round(write_s, 1),
-           "peaks": {k: round(v, 2) for k, v in peaks.items()},
-           "learner": bench_learner(ckpt, cfg, a, peaks["matmul_gflops"]),
-           "engine": bench_engine(ckpt, cfg, a, peaks)}
-    print(json.dumps(out))
+           "peaks": dict({k: round(v, 2) for k, v in peaks.items()}, matmul_dtype=a.dtype)}
+    if a.only in (None, "learner"):
+        out["learner"] = bench_learner(ckpt, cfg, a, peaks["matmul_gflops"])
+    if a.only in (None, "engine"):
+        out["engine"] = bench_engine(ckpt, cfg, a, peaks)
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,18 @@ Micro-batch gradients are weighted by their share of trained tokens for `token_m
 aggregation (exact), equally otherwise (exact for row-mean aggregations with equal rows).
 Sequences are packed (see `batching`): the model runs on dense packed rows and the loss
 sees one sequence per row through a gather, so padding costs almost nothing.
+
+Precision (`model.param_dtype`, `model.dtype`). The master weights are `state.params`, in
+`param_dtype`; there is no second copy. Whatever that dtype, the optimizer works in float32:
+micro-batch gradients (bf16 when the params are) are accumulated in float32, clipped and fed
+to AdamW as float32, whose moments are float32 (8 bytes a parameter), and each update is
+added to the float32 value of the parameter and rounded once to `param_dtype`.
+`param_dtype='float32'` with `dtype='bfloat16'` is the usual mixed precision (float32 master
+weights, bf16 matmuls; 4 + 8 bytes a parameter). `param_dtype='bfloat16'` saves 2 of those
+bytes and the per-step casts, but bf16 keeps 8 significant bits: an update below about
+2^-9 of a weight's magnitude rounds away (Adam moves each weight by about the learning rate,
+so lr=1e-6 barely moves weights of magnitude 1e-2). With params below float32 the step
+reports `update_rounded_away`, the fraction of parameters whose non-zero update was lost.
 """
 from __future__ import annotations
 
@@ -76,6 +88,18 @@ def learning_rate(count, hp, decay: str):
     return jnp.where(c < warmup, warm, after)
 
 
+def as_float32(tree):
+    """`tree` with its floating leaves in float32 (the optimizer's working precision)."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def apply_updates(params, updates):
+    """`params + updates` computed in float32 and rounded once to each parameter's dtype."""
+    return jax.tree.map(lambda p, u: (p.astype(jnp.float32) + u).astype(p.dtype),
+                        params, updates)
+
+
 def _clipped_adamw(learning_rate, b1, b2, eps, weight_decay, max_grad_norm, mask):
     return optax.chain(optax.clip_by_global_norm(max_grad_norm),
                        optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
@@ -90,20 +114,23 @@ class Optimizer:
     step is called with. `update(grads, state, params, hp)` first writes this update's values
     (the learning rate from the schedule at the state's update count) into the state of
     `optax.inject_hyperparams`. With `hparams` empty, `tx` is used as it is: its
-    hyperparameters are the constants it closes over (and `hp` is ignored)."""
+    hyperparameters are the constants it closes over (and `hp` is ignored).
+
+    `tx` always sees float32 params and gradients, so its state (Adam's moments) is float32
+    and its updates are float32 whatever the parameters' dtype (see `apply_updates`)."""
     tx: optax.GradientTransformation
     hparams: Dict[str, float] = dataclasses.field(default_factory=dict)
     decay: str = "constant"
 
     def init(self, params):
-        return self.tx.init(params)
+        return self.tx.init(as_float32(params))
 
     def update(self, grads, state, params, hp):
         if self.hparams:
             values = {k: hp[k] for k in INJECTED}
             values["learning_rate"] = learning_rate(state.count, hp, self.decay)
             state = state._replace(hyperparams=values)
-        return self.tx.update(grads, state, params)
+        return self.tx.update(as_float32(grads), state, as_float32(params))
 
     def schedule(self, count) -> float:
         """The learning rate of update `count` (host side, for logging)."""
@@ -133,6 +160,15 @@ def make_optimizer(cfg) -> Tuple[Optimizer, Callable[[int], float]]:
     return opt, opt.schedule
 
 
+def _rounded_away(params, new_params, updates):
+    """Fraction of parameters with a non-zero update whose stored value did not change."""
+    count = lambda x: jnp.sum(x, dtype=jnp.float32)  # noqa: E731 - int32 overflows at 2^31
+    lost = sum(count((u != 0) & (n == p)) for p, n, u in zip(
+        jax.tree.leaves(params), jax.tree.leaves(new_params), jax.tree.leaves(updates)))
+    moved = sum(count(u != 0) for u in jax.tree.leaves(updates))
+    return lost / jnp.maximum(moved, 1.0)
+
+
 def logp_and_entropy(logits, targets, temperature):
     """Per-token log-prob of `targets` and entropy, from one log-softmax of logits / T."""
     logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
@@ -144,10 +180,10 @@ def logp_and_entropy(logits, targets, temperature):
 def init_state(model, optimizer, mesh: Mesh) -> TrainState:
     """The initial state, every leaf placed explicitly on `mesh`.
 
-    Optimizer moments take the sharding of the parameter they mirror (found by path suffix
-    and shape), everything else is replicated. Explicit placement matters beyond memory: a
-    leaf left uncommitted on the first call would differ in type from the step's output and
-    cost a recompilation on the second call.
+    Optimizer moments (float32 whatever the params' dtype) take the sharding of the parameter
+    they mirror (found by path suffix and shape), everything else is replicated. Explicit
+    placement matters beyond memory: a leaf left uncommitted on the first call would differ
+    in type from the step's output and cost a recompilation on the second call.
     """
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     by_path = {tuple(p): (x.shape, x.sharding)
@@ -270,13 +306,15 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
             one, w = xs
             (loss, metrics), grads = grad_fn(state.params, one, hp["loss"])
             acc_grads, acc_loss, acc_metrics = acc
-            acc_grads = jax.tree.map(lambda a, g: a + w * g, acc_grads, grads)
+            acc_grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads,
+                                     grads)
             acc_metrics = jax.tree.map(lambda a, m: a + w * m, acc_metrics, metrics)
             return (acc_grads, acc_loss + w * loss, acc_metrics), None
 
         first = jax.tree.map(lambda x: x[0], micro)
         metrics_shape = jax.eval_shape(lambda: micro_loss(state.params, first, hp["loss"])[1])
-        zeros = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
+        zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), state.params),
+                 jnp.zeros((), jnp.float32),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
         (grads, loss, metrics), _ = jax.lax.scan(body, zeros, (micro, weights))
 
@@ -284,12 +322,14 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params,
                                             hp["optimizer"])
-        new_params = optax.apply_updates(state.params, updates)
+        new_params = apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
         new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
                                state.step + ok.astype(jnp.int32))
         metrics = dict(metrics)
         metrics.update(loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
+        if any(jnp.dtype(p.dtype).itemsize < 4 for p in jax.tree.leaves(state.params)):
+            metrics["update_rounded_away"] = _rounded_away(state.params, new_params, updates)
         return new_state, metrics
 
     def step(state: TrainState, batch: Dict[str, jax.Array], hp):

@@ -1,0 +1,76 @@
+"""scripts/device_check.sh: the accelerator check's driver, run here in its --cpu form."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from pipelinerl_jax import run_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import device_check  # noqa: E402
+
+
+def _config(overrides):
+    """configs/default.py with `--config.*` overrides, parsed as experiments/train.py does."""
+    argv = ["train.py", f"--config={os.path.join(ROOT, 'configs', 'default.py')}", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=fv, lock_config=True, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_train_overrides_make_a_valid_split(mode, monkeypatch):
+    monkeypatch.setattr(run_config.resources, "detect_device_count", lambda *_: 1 if
+                        mode == "gpu" else 0)  # one GPU on the host, whatever this one has
+    cfg = _config(device_check.train_overrides(mode, device_check.TRAIN_STEPS[mode]))
+    run_config.validate(cfg)
+    res = cfg.resources
+    assert cfg.learner.total_steps == device_check.TRAIN_STEPS[mode]
+    if mode == "gpu":  # learner and sampler on the one GPU, sharing its memory
+        assert (res.platform, res.learner_devices, res.sampler_devices) == ("gpu", "0", "0")
+        env = run_config.resources.role_env(res, "learner")
+        assert env["CUDA_VISIBLE_DEVICES"] == "0"
+        assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        assert 0 < float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) <= 0.5
+    else:
+        assert (res.platform, res.learner_devices, res.sampler_devices) == ("cpu", "0", "1")
+
+
+def test_requirements_are_read_from_setup_py():
+    reqs = device_check.check_requirements()
+    assert {"jax", "flax", "optax", "ml-collections", "grpcio"} <= set(reqs)
+    assert all(v["have"] and v["ok"] is not False for v in reqs.values()), reqs
+
+
+@pytest.mark.slow
+def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHON=sys.executable)
+    env.pop("XLA_FLAGS", None)
+    env.pop("OUT", None)
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_check.sh"), "--cpu",
+                           f"--out={out}", f"--workdir={work}"], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=900)
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert proc.returncode == 0, json.dumps(result)[-3000:]
+    assert json.loads((out / "device_check.json").read_text()) == result
+    assert result["mode"] == "cpu" and result["ok"] is True
+    assert {"env", "model", "engine", "train"} <= set(result)
+    assert all(result[k]["status"] == "ok" for k in ("env", "model", "engine", "train"))
+    assert result["env"]["backend"] == "cpu" and result["env"]["requirements_unmet"] == {}
+    model = result["model"]
+    assert model["step_s"] > 0 and 0 < model["mfu"] < 2 and model["peaks"]["matmul_gflops"] > 0
+    engine = result["engine"]
+    assert all(engine[f"batch_{b}"]["tokens_per_s"] > 0 for b in (1, 8))
+    train = result["train"]
+    assert train["steps"] == train["steps_wanted"] == device_check.TRAIN_STEPS["cpu"]
+    assert train["step_time_s"] > 0 and train["tokens_per_s"] > 0
+    for part in ("env", "model", "engine", "train"):
+        assert (out / f"{part}.log").exists()
