@@ -1,0 +1,41 @@
+"""Sync vs async on the sampler-bound workload (`configs/sampler_bound.py`): wall-clock to a
+held-out accuracy target, 3 seeds per schedule, beside the simulator's prediction.
+
+    python experiments/ablate.py --config=configs/ablate/sampler_bound.py --workdir=runs/sb
+    PYTHONPATH=. python scripts/sampler_bound_report.py --results=runs/sb
+    python experiments/ablate.py --config=configs/ablate/sampler_bound.py:quick --workdir=runs/sbq
+
+As `configs/ablate/sync_vs_async.py`, on a workload where the sync pipeline spends at least as
+long sampling as training: `mode=sync` against `mode=async` at `max_lag` 1, 2, 4, every run
+from one warm start, one run at a time (`runner.parallel=1`: wall-clock is the measurement, so
+runs must never share cores), the XLA cache warmed before the first timed run; the runner
+goes one replicate (seed) at a time, so a grid stopped part-way holds whole replicates.
+"""
+from configs import sampler_bound
+from configs.ablate.sync_vs_async import SCHEDULES
+from pipelinerl_jax.ablation.grid import ablation_config, sweep, variants
+
+SEEDS = (0, 1, 2)
+
+
+def get_config(arg: str = ""):
+    e = sampler_bound.get_config()
+    e.learner.total_steps = 60
+    e.learner.eval_every = 10
+    e.learner.eval_size = 256  # the same held-out set as every other grid
+    e.learner.checkpoint_every = 30
+    e.learner.keep_checkpoints = 1
+
+    c = ablation_config(e)
+    c.axes.schedule = variants(*SCHEDULES)
+    c.axes.seed = sweep("seed", SEEDS)
+    c.runner.parallel = 1  # wall-clock comparison: never two runs at once
+    c.runner.warmup_steps = 20  # compile before timing: no run may be charged for it
+    c.analysis.target_accuracy = 0.3
+    if arg == "quick":  # one seed of sync and async2, 30 steps
+        c.experiment.learner.total_steps = 30
+        c.axes.schedule.only = "sync,async2"
+        c.axes.seed.levels = (0,)
+    elif arg:
+        raise ValueError(f"unknown config argument {arg!r} (valid: '', 'quick')")
+    return c
