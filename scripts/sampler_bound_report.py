@@ -40,9 +40,21 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pipelinerl_jax.ablation.results import Run, load_runs, summarize_run  # noqa: E402
+from pipelinerl_jax.ablation.results import Run, load_run, load_runs, summarize_run  # noqa: E402
 
 GOAL_SPEEDUP = 1.8  # issue 16: async >= 1.8x sync to the same held-out accuracy
+# A train step this many times the run's median step compiled (a new packed-row bucket): left
+# out of the balance and of the simulator's train-time fit.
+COMPILE_OUTLIER = 3.0
+
+
+def _compiled(rows: Sequence[dict]) -> set:
+    """Steps whose train step took over COMPILE_OUTLIER x the median (they compiled)."""
+    times = [r["learner/step_time_s"] for r in rows if "learner/step_time_s" in r]
+    if not times:
+        return set()
+    cut = COMPILE_OUTLIER * float(np.median(times))
+    return {r["step"] for r in rows if r.get("learner/step_time_s", 0.0) > cut}
 
 
 def schedule_of(run: Run) -> str:
@@ -57,11 +69,11 @@ def _order(label: str):
     return (label != "sync", int(digits) if digits else 0, label)
 
 
-def target_of(results: str, override: Optional[float]) -> float:
-    """--target_accuracy, else the grid's `analysis.target_accuracy` (summary.json, then
-    ablation.json)."""
+def target_of(results: str, override) -> object:
+    """--target_accuracy (a number or 'auto'), else the grid's `analysis.target_accuracy`
+    (summary.json, then ablation.json)."""
     if override is not None:
-        return float(override)
+        return "auto" if str(override) == "auto" else float(override)
     for name in ("summary.json", "ablation.json"):
         try:
             with open(os.path.join(results, name)) as f:
@@ -70,6 +82,17 @@ def target_of(results: str, override: Optional[float]) -> float:
             continue
     raise SystemExit(f"{results}: no analysis.target_accuracy in summary.json or "
                      "ablation.json; pass --target_accuracy")
+
+
+def auto_target(groups: Dict[str, List[Run]]) -> float:
+    """Three quarters of the way from the step-0 accuracy to the best accuracy every schedule
+    reaches (seed means), as `ablation/figures.sync_vs_async` picks one: a target every
+    schedule passes, not the last evaluation of the slowest."""
+    runs = [r for rs in groups.values() for r in rs if r.evals]
+    start = float(np.mean([r.evals[0][2] for r in runs]))
+    reach = min(float(np.mean([max(a for _, _, a in r.evals) for r in rs if r.evals]))
+                for rs in groups.values())
+    return start + 0.75 * (reach - start)
 
 
 def eval_free_time_to_target(run: Run, target: float) -> Optional[float]:
@@ -95,11 +118,13 @@ def seconds_per_step(run: Run) -> Optional[float]:
 
 
 def sync_balance(run: Run) -> dict:
-    """Per-step means over the sync run's steps (the first, and those right after an
-    evaluation, left out): wait for the batch vs train step, and sampler occupancy."""
-    keep, prev_eval = [], True  # step 1 follows the step-0 evaluation (and compiles)
+    """Per-step means over the sync run's steps (the first, those right after an evaluation
+    and those that compiled left out): wait for the batch vs train step, and sampler
+    occupancy."""
+    keep, prev_eval, compiled = [], True, _compiled(run.rows)  # step 1 follows step 0's eval
     for r in run.rows:
-        if r.get("step", 0) > 0 and not prev_eval and "learner/step_time_s" in r:
+        if r.get("step", 0) > 0 and not prev_eval and "learner/step_time_s" in r \
+                and r["step"] not in compiled:
             keep.append(r)
         prev_eval = "eval/accuracy" in r
     if not keep:
@@ -124,12 +149,30 @@ def _sim_base():
     return build_setup(c)
 
 
+def _train_fit(run_dir: str, fallback: tuple) -> tuple:
+    """Train step time = c + d·tokens over the run's steps, the first and the ones that
+    compiled left out (`read_run` drops only the first)."""
+    rows = [r for r in load_run(run_dir).rows
+            if r.get("step", 0) > 1 and "learner/tokens" in r and "learner/step_time_s" in r]
+    compiled = _compiled(rows)
+    rows = [r for r in rows if r["step"] not in compiled]
+    x = np.asarray([r["learner/tokens"] for r in rows], float)
+    y = np.asarray([r["learner/step_time_s"] for r in rows], float)
+    if x.size < 3:
+        return fallback
+    if np.ptp(x) == 0:
+        return float(y.mean()), 0.0
+    d, c = np.polyfit(x, y, 1)
+    return float(c), float(d)
+
+
 def simulate_schedules(run_dir: str, max_lags: Sequence[int]) -> dict:
     """Simulated seconds per step of sync and of async at each max_lag, calibrated from one
     run directory (a sync run of the workload)."""
     from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run  # heavy: numpy sim
     from pipelinerl_jax.sim.pipeline import simulate  # heavy: numpy sim
     m = read_run(run_dir)
+    m = dataclasses.replace(m, train_fit=_train_fit(run_dir, m.train_fit))
     s = calibrated_setup(m, _sim_base())
     # This machine's sync: one sampler core and one learner core taking turns, i.e. one
     # device that samples and then trains (calibrated_setup would let both cores do each).
@@ -173,7 +216,9 @@ def _ratio_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: i
     return point, [float(lo), float(hi)]
 
 
-def report(results: str, target_accuracy: Optional[float] = None, simulate: bool = True) -> dict:
+def report(results: str, target_accuracy=None, simulate: bool = True) -> dict:
+    """Everything the report prints (see the module doc); `target_accuracy`: a number,
+    'auto' (`auto_target`) or None (the grid's)."""
     target = target_of(results, target_accuracy)
     runs, problems = load_runs([results])
     runs = [r for r in runs if not r.get("lag_injection.enabled", False)]
@@ -183,6 +228,8 @@ def report(results: str, target_accuracy: Optional[float] = None, simulate: bool
     if "sync" not in groups or len(groups) < 2:
         raise SystemExit(f"{results}: needs sync and async runs (found {sorted(groups)}; "
                          f"problems: {problems})")
+    if target == "auto":
+        target = auto_target(groups)
     analysis = {"target_accuracy": target}
     sched = {}
     for label in sorted(groups, key=_order):
@@ -304,6 +351,10 @@ def markdown(out: dict) -> str:
         steps = ", ".join(f"{k} {v:.2f} s" for k, v in sim["step_time_s"].items())
         lines += ["", f"Simulator calibrated from {sim['calibrated_from']} sync run(s): "
                   f"step time {steps}."]
+    missed = [label for label, s in out["schedules"].items() if s["reached"] < s["runs"]]
+    if missed:
+        lines += ["", f"Not every run of {', '.join(missed)} reached the target: those "
+                  "schedules have no mean time to it (try --target_accuracy=auto)."]
     lines += ["", f"Best async speedup to target: {_f(out['best_speedup_to_target'], '{:.2f}x')} "
               f"(goal >= {out['goal_speedup']}x: {'met' if out['goal_met'] else 'not met'})."]
     return "\n".join(lines)
@@ -312,8 +363,10 @@ def markdown(out: dict) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", required=True, help="grid directory (or folder of run dirs)")
-    p.add_argument("--target_accuracy", type=float, default=None,
-                   help="default: the grid's analysis.target_accuracy")
+    p.add_argument("--target_accuracy", default=None,
+                   help="a number, or 'auto' (3/4 of the way from the warm start to the best "
+                        "accuracy every schedule reaches); default: the grid's "
+                        "analysis.target_accuracy")
     p.add_argument("--no_sim", action="store_true", help="skip the simulator's prediction")
     args = p.parse_args(argv)
     out = report(args.results, args.target_accuracy, simulate=not args.no_sim)

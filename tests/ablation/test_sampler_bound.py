@@ -101,6 +101,27 @@ def test_report_target_override_and_missing_sync(tmp_path):
         report.report(str(only_async), target_accuracy=0.5)
 
 
+def test_auto_target_is_three_quarters_of_the_way_to_what_every_schedule_reaches(tmp_path):
+    root = _grid(str(tmp_path))
+    out = report.report(root, target_accuracy="auto", simulate=False)
+    runs, _ = report.load_runs([root])
+    start = sum(r.evals[0][2] for r in runs) / len(runs)  # 0.3 in every synthetic run
+    reach = min(sum(max(a for _, _, a in r.evals) for r in runs if report.schedule_of(r) == g)
+                / 3 for g in ("sync", "async1", "async4"))
+    assert out["target_accuracy"] == pytest.approx(start + 0.75 * (reach - start))
+    assert all(s["reached"] == 3 for s in out["schedules"].values())
+
+
+def test_steps_that_compiled_are_left_out_of_the_sync_balance():
+    rows = [{"step": 0, "wall_time_s": 1.0, "eval/accuracy": 0.2}]
+    for s in range(1, 9):  # step 1 follows the evaluation; step 5 compiled (30 s)
+        rows.append({"step": s, "wall_time_s": 1.0 + 3 * s, "learner/wait_time_s": 2.0,
+                     "learner/step_time_s": 30.0 if s == 5 else 1.0,
+                     "weight_sync/time_s": 0.0, "sampler/occupancy": 0.1})
+    b = report.sync_balance(Run("r", "/x", {}, "all", {"mode": "sync"}, rows, "done"))
+    assert b["steps"] == 6 and b["step_time_s"] == 1.0 and b["sampling_over_training"] == 2.0
+
+
 def test_time_to_target_without_evaluation_time():
     rows = [{"step": 0, "wall_time_s": 5.0, "eval/accuracy": 0.2, "eval/time_s": 5.0},
             {"step": 1, "wall_time_s": 7.0},
