@@ -5,19 +5,21 @@
 
 `configs/default.py` is learner-bound on this machine: its sync learner idles ~1/3 of the
 time, which caps async at ~1.5x. Here the sync pipeline spends longer sampling than training,
-as in real LLM RL where generation is most of a step: the same reversal task and model, with
-a heavier length tail (p99 96, cap 126 characters, against 69 / 96; the median stays 12 so
-the default's 300-step warm start still learns it), 16 samples per prompt (128 per step)
-and 256 engine slots. `JaxEngine` decodes every slot each step (a dense cache), so like a
-memory-bound accelerator a decode step costs about the same with 2 sequences running as with
-100: a sync step pays ~127 of them for its slowest answer (runaways hit the cap in about half the
-batches here), while the learner's cost follows the packed token count, which the tail barely
-moves. Async fills the slots and overlaps the two.
+as in real LLM RL where generation is most of a step: the same reversal task and model with a
+heavier length tail (p99 96, cap 126 characters, against 69 / 96; the median stays 12, so the
+300-step warm start still learns it: 49% held-out), 16 samples per prompt (128 per step) and
+512 engine slots. `JaxEngine` decodes every slot at every step (a dense cache), so, like
+memory-bound decode on an accelerator, a step costs much the same with 2 sequences running
+as with 100: a sync step pays the full price for every token of its slowest answer (batches
+whose longest answer is 100+ tokens are common), while the learner's cost follows the packed
+token count, which the tail barely moves. Async keeps the slots busy and overlaps the two.
 
-Measured here (design runs of 20 steps, on a machine shared with other jobs, so the absolute
-times are inflated; the ratios within a run are what the design rests on): the sync learner
-waited 2.06 s per step for its batch against 1.43 s training (59% idle), sampler slot
-occupancy 5%; async (max_lag 2) trained at ~1.4 s per step with ~0 wait.
+Design runs (20 steps from this config's warm start, on a machine shared with other jobs, so
+absolute times are inflated; ratios within a run are what the design rests on): sync's
+learner waited 1.85 s per step for its batch against 1.28 s training (59% idle, sampler slot
+occupancy 2%); async (max_lag 2) trained at ~1.1 s per step, sync at ~2.3 s; held-out
+accuracy 49% -> 74% in 20 steps either way. With 256 slots the same sync run sampled for
+0.72 s against 1.11 s training (learner-bound), and 256 samples per step did not change that.
 """
 from configs import default
 
@@ -30,7 +32,7 @@ def get_config(arg: str = ""):
     c.task.max_length = 126
     c.sampling.max_new_tokens = 127  # longest answer + EOS
     # 128 prompt + 127 answer tokens fit the default model's 256
-    c.engine.max_slots = 256  # twice a sync batch (8 prompts x 16)
+    c.engine.max_slots = 512  # 4 sync batches (8 prompts x 16): async fills them
     c.rollout.group_size = 16
     c.learner.batch_groups = 8
     c.learner.total_steps = 60
