@@ -36,11 +36,15 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
+from scipy import stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from pipelinerl_jax.ablation.results import Run, load_run, load_runs, summarize_run  # noqa: E402
+from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run  # noqa: E402
+from pipelinerl_jax.sim.config import build_setup, default_config  # noqa: E402
+from pipelinerl_jax.sim.pipeline import simulate  # noqa: E402
 
 GOAL_SPEEDUP = 1.8  # issue 16: async >= 1.8x sync to the same held-out accuracy
 # A train step this many times the run's median step compiled (a new packed-row bucket): left
@@ -140,7 +144,6 @@ def sync_balance(run: Run) -> dict:
 
 
 def _sim_base():
-    from pipelinerl_jax.sim.config import build_setup, default_config  # heavy: numpy sim
     c = default_config()
     c.hardware.preset, c.model.preset = "cpu", "tiny"
     c.devices, c.split.samplers, c.split.trainers = 2, 1, 1
@@ -169,8 +172,6 @@ def _train_fit(run_dir: str, fallback: tuple) -> tuple:
 def simulate_schedules(run_dir: str, max_lags: Sequence[int]) -> dict:
     """Simulated seconds per step of sync and of async at each max_lag, calibrated from one
     run directory (a sync run of the workload)."""
-    from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run  # heavy: numpy sim
-    from pipelinerl_jax.sim.pipeline import simulate  # heavy: numpy sim
     m = read_run(run_dir)
     m = dataclasses.replace(m, train_fit=_train_fit(run_dir, m.train_fit))
     s = calibrated_setup(m, _sim_base())
@@ -191,7 +192,6 @@ def simulate_schedules(run_dir: str, max_lags: Sequence[int]) -> dict:
 
 def _mean_ci(xs: Sequence[float]) -> tuple:
     """(mean, 95% t half-width or None)."""
-    from scipy import stats  # only for the t quantile
     xs = np.asarray(xs, float)
     if xs.size == 0:
         return None, None
@@ -216,7 +216,7 @@ def _ratio_ci(num: Sequence[float], den: Sequence[float], n: int = 2000, seed: i
     return point, [float(lo), float(hi)]
 
 
-def report(results: str, target_accuracy=None, simulate: bool = True) -> dict:
+def report(results: str, target_accuracy=None, with_sim: bool = True) -> dict:
     """Everything the report prints (see the module doc); `target_accuracy`: a number,
     'auto' (`auto_target`) or None (the grid's)."""
     target = target_of(results, target_accuracy)
@@ -276,7 +276,7 @@ def report(results: str, target_accuracy=None, simulate: bool = True) -> dict:
                 for k in keys if any(b.get(k) is not None for b in balance)}
 
     sim = None
-    if simulate:
+    if with_sim:
         lags = [s["max_lag"] for label, s in sched.items() if label != "sync"]
         preds, errors = [], []
         for r in groups["sync"]:
@@ -369,7 +369,7 @@ def main(argv=None):
                         "analysis.target_accuracy")
     p.add_argument("--no_sim", action="store_true", help="skip the simulator's prediction")
     args = p.parse_args(argv)
-    out = report(args.results, args.target_accuracy, simulate=not args.no_sim)
+    out = report(args.results, args.target_accuracy, with_sim=not args.no_sim)
     print(markdown(out))
     print(json.dumps(out, default=str))
     return out

@@ -90,7 +90,7 @@ def test_report_on_a_synthetic_grid(tmp_path, capsys):
 
 def test_report_target_override_and_missing_sync(tmp_path):
     root = _grid(str(tmp_path))
-    out = report.report(root, target_accuracy=0.99, simulate=False)
+    out = report.report(root, target_accuracy=0.99, with_sim=False)
     assert out["schedules"]["sync"]["reached"] == 0 and out["best_speedup_to_target"] is None
     assert not out["goal_met"] and out["simulator"] is None
     assert "—" in report.markdown(out)
@@ -103,7 +103,7 @@ def test_report_target_override_and_missing_sync(tmp_path):
 
 def test_auto_target_is_three_quarters_of_the_way_to_what_every_schedule_reaches(tmp_path):
     root = _grid(str(tmp_path))
-    out = report.report(root, target_accuracy="auto", simulate=False)
+    out = report.report(root, target_accuracy="auto", with_sim=False)
     runs, _ = report.load_runs([root])
     start = sum(r.evals[0][2] for r in runs) / len(runs)  # 0.3 in every synthetic run
     reach = min(sum(max(a for _, _, a in r.evals) for r in runs if report.schedule_of(r) == g)
