@@ -38,7 +38,11 @@ def main(argv):
     del argv
     if not _RESULTS.value:
         raise app.UsageError("give --results=DIR[,DIR...]")
-    out = results.export_tables(_RESULTS.value, _OUT.value, _analysis(_RESULTS.value))
+    analysis = _analysis(_RESULTS.value)
+    out = results.export_tables(_RESULTS.value, _OUT.value, analysis)
+    if analysis is not None:  # the grid's thresholds travel with its tables (reports read them)
+        with open(os.path.join(_OUT.value, "ablation.json"), "w") as f:
+            json.dump({"analysis": analysis}, f, indent=2)
     for p in out["problems"]:
         print(f"skipped: {p}", file=sys.stderr)
     sizes = {k: os.path.getsize(v) for k, v in out["tables"].items()}

@@ -36,7 +36,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -167,6 +169,13 @@ def prepare_run(run: RunSpec, run_dir: str) -> str:
     return "start"
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (a `kill`, a batch system's stop) unwinds like Ctrl-C, so the runs in flight
+    (their own process groups) are stopped, not orphaned."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def replicate_major(c: ml_collections.ConfigDict, runs: List[RunSpec]) -> List[RunSpec]:
     """The runs with the seed axis varying slowest: a grid stopped part-way (it takes hours)
     holds whole replicates of every cell rather than every seed of a few cells."""
@@ -206,6 +215,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
         f"({c.runner.parallel} at a time)")
     ran, failed, warmup_s = [], [], 0.0
     if todo:
+        _stop_on_sigterm()
         env = _env(c, workdir)
         exp = ml_collections.ConfigDict(c.experiment.to_dict())
         run_config.validate(exp)

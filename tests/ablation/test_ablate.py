@@ -243,3 +243,35 @@ def test_a_finished_run_of_another_config_is_refused_not_skipped(tmp_path):
     c.experiment.learner.optimizer.learning_rate = 3e-4
     with pytest.raises(ConfigError, match="learner.optimizer.learning_rate"):
         runner.run_grid(c, str(tmp_path), log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_runs_in_flight(tmp_path):
+    """`kill` of the grid process stops its runs (each its own process group), leaving
+    nothing behind; re-running the command resumes."""
+    init = make_init_checkpoint(str(tmp_path / "init"))
+    workdir = str(tmp_path / "grid")
+    script = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests', "
+              "sys.argv[1] + '/tests/ablation']; from test_ablate import _micro_grid; "
+              "from pipelinerl_jax.ablation import runner; "
+              "c = _micro_grid(sys.argv[2]); c.experiment.learner.total_steps = 200; "
+              "runner.run_grid(c, sys.argv[3])")
+    p = subprocess.Popen([sys.executable, "-c", script, ROOT, init, workdir], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def ours():
+        out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        return [line for line in out.splitlines()
+                if workdir in line and str(p.pid) != line.split()[0]]
+
+    deadline = time.time() + 240
+    while time.time() < deadline and not any("--role=learner" in line for line in ours()):
+        assert p.poll() is None, "the grid ended before its runs started"
+        time.sleep(0.5)
+    assert any("--role=learner" in line for line in ours())
+    p.terminate()
+    assert p.wait(timeout=120) != 0
+    deadline = time.time() + 60
+    while time.time() < deadline and ours():
+        time.sleep(0.5)
+    assert ours() == []
