@@ -33,9 +33,13 @@ def get_config(arg: str = ""):
     # embedded engine decodes every slot each step (as a memory-bound accelerator costs it),
     # so on CPU sync would pay for 384 empty slots: async's speedup is judged against the
     # faster of the two sync baselines (scripts/sampler_bound_report.py).
+    # auto: the closed-loop lag controller (docs/lag_control.md) within [0, 8] from 2, against
+    # the best fixed max_lag of the same grid.
     c.axes.schedule = variants(*SCHEDULES[:1], ("sync128", {"mode": "sync", "max_lag": 0,
                                                             "engine": {"max_slots": 128}}),
-                               *SCHEDULES[1:])
+                               *SCHEDULES[1:], ("auto", {"mode": "async", "max_lag": 8,
+                                                         "lag_control": {"enabled": True,
+                                                                         "initial_lag": 2}}))
     c.axes.seed = sweep("seed", SEEDS)
     c.runner.parallel = 1  # wall-clock comparison: never two runs at once
     c.runner.warmup_steps = 20  # compile before timing: no run may be charged for it

@@ -37,11 +37,12 @@ def test_workload_config_validates_and_a_sync_batch_fits_the_slots(arg):
 def test_ablation_grid_is_sync_and_async_lags_by_three_seeds_one_run_at_a_time():
     c = ablate_sampler_bound.get_config()
     runs = grid.expand(c)
-    got = sorted((r.config.mode, r.config.max_lag, r.config.engine.max_slots, r.config.seed)
-                 for r in runs)
-    want = sorted((m, k, n, s) for m, k, n in (("sync", 0, 512), ("sync", 0, 128),
-                                               ("async", 1, 512), ("async", 2, 512),
-                                               ("async", 4, 512)) for s in (0, 1, 2))
+    got = sorted((r.config.mode, r.config.max_lag, r.config.engine.max_slots,
+                  r.config.lag_control.enabled, r.config.seed) for r in runs)
+    want = sorted((m, k, n, auto, s) for m, k, n, auto in (
+        ("sync", 0, 512, False), ("sync", 0, 128, False), ("async", 1, 512, False),
+        ("async", 2, 512, False), ("async", 4, 512, False), ("async", 8, 512, True))
+        for s in (0, 1, 2))
     assert got == want
     assert c.runner.parallel == 1 and c.runner.warmup_steps > 0
     assert all(r.config.task.to_dict() == c.experiment.task.to_dict() for r in runs)
