@@ -22,7 +22,10 @@ under the current limit, so no evidence mixes limits):
 - open up: each of the last `patience` signals is better than `open_at` (a stricter
   threshold: the band between `target` and `open_at` holds, hysteresis) and the limit binds
   (the stalest trained token reached it in one of those steps: raising a limit the pipeline
-  does not reach buys nothing and would be untested) -> limit = min(max_lag, limit + increase);
+  does not reach buys nothing and would be untested) and it throttles: the learner waited
+  for its batches at least `open_wait` of its time over those steps (a learner-bound
+  pipeline, whose learner never waits, gains no throughput from staler data, only
+  staleness) -> limit = min(max_lag, limit + increase);
 - otherwise hold. A change empties the evidence: the next decision waits for `window`
   (back off) or `patience` (open up) steps under the new limit.
 Multiplicative decrease reacts fast to a degrading signal; additive increase probes one
@@ -71,6 +74,9 @@ def lag_control_config() -> ml_collections.ConfigDict:
         decrease=0.5,  # multiplicative decrease factor, in (0, 1)
         increase=1,  # additive increase, versions
         min_tokens=64,  # a lag bucket with fewer trained tokens is too noisy to be the signal
+        # open up only while the learner waits for batches at least this fraction of its time
+        # (wait / (wait + train step)); 0 = whatever the throughput
+        open_wait=0.1,
     ))
 
 
@@ -87,6 +93,7 @@ class LagLaw:
     decrease: float = 0.5
     increase: int = 1
     min_tokens: int = 64
+    open_wait: float = 0.1
 
     @classmethod
     def from_config(cls, cfg) -> "LagLaw":
@@ -97,7 +104,7 @@ class LagLaw:
                    initial_lag=None if c.initial_lag is None else int(c.initial_lag),
                    window=int(c.window), patience=int(c.patience),
                    decrease=float(c.decrease), increase=int(c.increase),
-                   min_tokens=int(c.min_tokens))
+                   min_tokens=int(c.min_tokens), open_wait=float(c.open_wait))
 
     @property
     def start(self) -> int:
@@ -112,21 +119,23 @@ class LagLaw:
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
-    """One step's signal: its value, the lag bucket it came from, the max trained lag."""
+    """One step's signal: its value, the lag bucket it came from, the max trained lag, and
+    the fraction of the step's time the learner waited for its batch."""
     value: float
     bucket: str
     lag_max: int
+    wait_frac: float = 1.0
 
 
-def observe(metrics: Mapping[str, float], lag_max: int,
-            law: LagLaw) -> Optional[Observation]:
+def observe(metrics: Mapping[str, float], lag_max: int, law: LagLaw,
+            wait_frac: float = 1.0) -> Optional[Observation]:
     """The signal of one step's loss metrics (`flatten_metrics` names: `lag_3-4/ess`,
     `lag_3-4/tokens`) and the largest lag of its trained tokens, or None when no lag bucket
     has `min_tokens` tokens."""
     for bucket in reversed(LAG_BUCKETS):
         if metrics.get(f"lag_{bucket}/tokens", 0.0) >= law.min_tokens:
             return Observation(float(metrics[f"lag_{bucket}/{law.signal}"]), bucket,
-                               int(lag_max))
+                               int(lag_max), float(wait_frac))
     return None
 
 
@@ -151,7 +160,8 @@ def decide(law: LagLaw, limit: int, evidence: Sequence[Observation]) -> int:
     recent = evidence[-law.patience:]
     if (len(recent) >= law.patience and limit < law.max_lag and
             all(law.better(o.value, law.open_at) for o in recent) and
-            max(o.lag_max for o in recent) >= limit):
+            max(o.lag_max for o in recent) >= limit and
+            sum(o.wait_frac for o in recent) / len(recent) >= law.open_wait):
         return min(law.max_lag, limit + law.increase)
     return limit
 
@@ -185,21 +195,26 @@ class LagController:
         nothing when control is off."""
         return {} if self.limit is None else {"max_lag": self.limit}
 
-    def update(self, metrics: Mapping[str, float], arrays: Mapping[str, np.ndarray]) -> dict:
-        """Feeds one step's loss metrics and packed batch `arrays` (for the largest trained
-        lag); returns that step's `lag_control/*` record. Call before publishing the step's
-        version, which announces the new limit."""
+    def update(self, metrics: Mapping[str, float], arrays: Mapping[str, np.ndarray],
+               wait_s: float = 0.0, step_s: float = 0.0) -> dict:
+        """Feeds one step's loss metrics, packed batch `arrays` (for the largest trained
+        lag) and the learner's wait for that batch and train-step time; returns that step's
+        `lag_control/*` record. Call before publishing the step's version, which announces
+        the new limit."""
         if self.law is None:
             return {}
-        d = self.step(metrics, trained_lag_max(arrays))
+        frac = wait_fraction({"learner/wait_time_s": wait_s, "learner/step_time_s": step_s})
+        d = self.step(metrics, trained_lag_max(arrays), frac)
         out = {"lag_control/max_lag": d.limit, "lag_control/next_max_lag": d.next_limit,
                "lag_control/action": d.action}
         if d.observation is not None:
             out["lag_control/signal"] = d.observation.value
+            out["lag_control/wait_fraction"] = d.observation.wait_frac
         return out
 
-    def step(self, metrics: Mapping[str, float], lag_max: int) -> Decision:
-        obs = observe(metrics, lag_max, self.law)
+    def step(self, metrics: Mapping[str, float], lag_max: int,
+             wait_frac: float = 1.0) -> Decision:
+        obs = observe(metrics, lag_max, self.law, wait_frac)
         if obs is not None:
             self.evidence.append(obs)
         limit = self.limit
@@ -212,7 +227,15 @@ class LagController:
 def replay(law: LagLaw, records: Sequence[Mapping]) -> List[Decision]:
     """The decisions the law makes over `metrics.jsonl` records (step > 0 rows, in order)."""
     ctl = LagController(law)
-    return [ctl.step(loss_metrics(r), r.get("lag/max", 0)) for r in records]
+    return [ctl.step(loss_metrics(r), r.get("lag/max", 0), wait_fraction(r)) for r in records]
+
+
+def wait_fraction(record: Mapping) -> float:
+    """wait / (wait + train step) of a `metrics.jsonl` record (1.0 when it has neither)."""
+    wait, step = record.get("learner/wait_time_s"), record.get("learner/step_time_s")
+    if wait is None or step is None or wait + step <= 0:
+        return 1.0
+    return float(wait) / float(wait + step)
 
 
 def validate_lag_control(cfg) -> None:
@@ -236,6 +259,9 @@ def validate_lag_control(cfg) -> None:
         raise ConfigError("lag_control.open_at", f"must be {side} lag_control.target="
                           f"{c.target} for signal {c.signal!r} (the hysteresis band), "
                           f"got {c.open_at}")
+    w = c.open_wait
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < 1:
+        raise ConfigError("lag_control.open_wait", f"must be a fraction in [0, 1), got {w!r}")
     for key, lo in (("min_lag", 0), ("window", 1), ("patience", 1), ("increase", 1),
                     ("min_tokens", 1)):
         v = c[key]

@@ -5,7 +5,8 @@ import pytest
 
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.lag_control import (
-    LAG_BUCKETS, LagController, LagLaw, Observation, decide, loss_metrics, observe, replay)
+    LAG_BUCKETS, LagController, LagLaw, Observation, decide, loss_metrics, observe, replay,
+    wait_fraction)
 from pipelinerl_jax.losses.diagnostics import LAG_BUCKETS as DIAGNOSTIC_BUCKETS
 from pipelinerl_jax.run_config import base_config, validate
 
@@ -57,6 +58,21 @@ def test_opens_additively_only_after_patience_healthy_binding_steps():
     assert decide(LAW, 8, [obs(0.99)] * 5) == 8  # max_lag bounds it
 
 
+def test_opens_only_while_the_limit_throttles_the_learner():
+    """A learner-bound pipeline (the learner never waits) gains nothing from staler data:
+    measured on the sampler-bound grid, where an ESS-only law opened to 8 while max_lag 2
+    already kept the learner busy, and reached the target later than fixed max_lag 2."""
+    def waited(frac):
+        return Observation(0.99, "1", 2, frac)
+    assert decide(LAW, 2, [waited(0.02)] * 3) == 2  # busy learner: hold
+    assert decide(LAW, 2, [waited(0.02), waited(0.3), waited(0.02)]) == 3  # mean 0.113
+    assert decide(LAW, 2, [waited(0.3)] * 3) == 3
+    assert decide(LAW, 2, [Observation(0.5, "1", 2, 0.0)] * 2) == 1  # backing off ignores it
+    assert wait_fraction({"learner/wait_time_s": 0.1, "learner/step_time_s": 0.3}) == \
+        pytest.approx(0.25)
+    assert wait_fraction({}) == 1.0
+
+
 def test_kl_signal_reads_the_other_way_round():
     law = LagLaw(**{**LAW.__dict__, "signal": "kl_k3", "target": 0.05, "open_at": 0.01})
     assert decide(law, 4, [obs(0.1, 4), obs(0.08, 4)]) == 2
@@ -78,9 +94,10 @@ def test_controller_resets_its_evidence_at_every_change():
     ctl = LagController(LAW)
     assert ctl.limit == 8 and ctl.announce() == {"max_lag": 8}
     bad = step_metrics("5-8", ess=0.5)
-    assert ctl.update(bad, {"lag": np.array([[8]]), "loss_mask": np.array([[1]])}) == {
+    assert ctl.update(bad, {"lag": np.array([[8]]), "loss_mask": np.array([[1]])},
+                      wait_s=0.1, step_s=0.3) == {
         "lag_control/max_lag": 8, "lag_control/next_max_lag": 8, "lag_control/action": 0,
-        "lag_control/signal": 0.5}
+        "lag_control/signal": 0.5, "lag_control/wait_fraction": 0.25}
     d = ctl.step(bad, 8)
     assert (d.limit, d.next_limit, d.action) == (8, 4, -1)
     assert ctl.step(bad, 4).next_limit == 4  # one step under the new limit: not a window
@@ -122,6 +139,7 @@ def test_closed_loop_settles_at_the_last_healthy_limit_and_replay_agrees():
     ("decrease", 1.0, "(0, 1)"),
     ("min_lag", 9, "exceeds max_lag"),
     ("initial_lag", 7, "in [lag_control.min_lag"),
+    ("open_wait", 1.0, "[0, 1)"),
 ])
 def test_config_errors_name_the_key(key, value, message):
     cfg = base_config()

@@ -282,8 +282,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
             t_step = time.time()
             state, metrics = step_fn(state, ts.place_batch(packed.arrays, mesh))
             metrics = flatten_metrics(jax.device_get(metrics))
-            control = lag_ctl.update(metrics, packed.arrays)  # before publishing: announced
             step_s = time.time() - t_step
+            control = lag_ctl.update(metrics, packed.arrays, wait_s, step_s)  # announced next
             skipped = int(metrics["skipped"])
             consecutive_skips = consecutive_skips + 1 if skipped else 0
 
