@@ -10,6 +10,11 @@ so the proximal policy (the params at the start of the step) differs from the cu
 after the first. Both losses run with 4 minibatches. The one-level axis `minibatches=4`
 keeps the run names apart from the staleness grid's 1-minibatch runs, so the command may
 share that grid's workdir (and warm start) without mixing them up.
+Learning rate 5e-5 (a quarter of the grid's 2e-4): four updates per step at 2e-4 did not
+learn even at lag 0 (21-22% held-out vs 39% with one minibatch, 2026-12-01). Run it in its
+own workdir sharing the grid's warm start
+(`--config.experiment.warm_start.checkpoint=runs/staleness/warm_start/model`): its run names
+match the 2e-4 attempt's, which the runner refuses to mix.
 2 losses x lag {0, 2, 4, 8, 16} x 3 seeds = 30 runs.
 """
 from configs.ablate import staleness
@@ -18,6 +23,7 @@ from pipelinerl_jax.ablation.grid import sweep, variants
 
 def get_config(arg: str = ""):
     c = staleness.get_config()
+    c.experiment.learner.optimizer.learning_rate = 5e-5
     c.axes.loss = variants(("decoupled_ppo", {"loss": {"name": "decoupled_ppo"}}),
                            ("ppo", {"loss": {"name": "ppo"}}))
     c.axes.lag.levels = (0, 2, 4, 8, 16)
