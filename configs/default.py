@@ -38,15 +38,20 @@ def get_config(arg: str = ""):
     c.warm_start.steps = 300
     c.resources.learner_cores = "0"
     c.resources.sampler_cores = "1"
-    if arg == "quick":  # a minute-scale smoke run of the same pipeline
-        c.warm_start.steps = 30
-        c.learner.total_steps = 6
-        c.learner.eval_every = 3
-        c.learner.eval_size = 16
-        c.learner.checkpoint_every = 3
-        c.learner.batch_groups = 2
-        c.rollout.group_size = 4
-        c.engine.max_slots = 16
+    if arg == "quick":
+        quick(c)
     elif arg:
         raise ValueError(f"unknown config argument {arg!r} (valid: '', 'quick')")
     return c
+
+
+def quick(c):
+    """A minute-scale smoke run of the same pipeline (`:quick`), in place."""
+    c.warm_start.steps = 30
+    c.learner.total_steps = 6
+    c.learner.eval_every = 3
+    c.learner.eval_size = 16
+    c.learner.checkpoint_every = 3
+    c.learner.batch_groups = 2
+    c.rollout.group_size = 4
+    c.engine.max_slots = 16

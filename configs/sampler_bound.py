@@ -8,11 +8,12 @@ time, which caps async at ~1.5x. Here the sync pipeline spends longer sampling t
 as in real LLM RL where generation is most of a step: the same reversal task and model with a
 heavier length tail (p99 96, cap 126 characters, against 69 / 96; the median stays 12, so the
 300-step warm start still learns it: 49% held-out), 16 samples per prompt (128 per step) and
-512 engine slots. `JaxEngine` decodes every slot at every step (a dense cache), so, like
-memory-bound decode on an accelerator, a step costs much the same with 2 sequences running
-as with 100: a sync step pays the full price for every token of its slowest answer (batches
-whose longest answer is 100+ tokens are common), while the learner's cost follows the packed
-token count, which the tail barely moves. Async keeps the slots busy and overlaps the two.
+512 engine slots. `JaxEngine` decodes every slot at every step (a dense cache): a sync step
+pays for every token of its slowest answer (batches whose longest answer is 100+ tokens are
+common), while the learner's cost follows the packed token count, which the tail barely
+moves. Async keeps the slots busy and overlaps the two. On this CPU a 512-slot decode step
+costs more than a 128-slot one, so the sync baseline to beat is sync on an engine sized to
+what it fills (`sync128` in configs/ablate/sampler_bound.py; docs/sampler_bound.md).
 
 Design runs (20 steps from this config's warm start, on a machine shared with other jobs, so
 absolute times are inflated; ratios within a run are what the design rests on): sync's
@@ -42,15 +43,9 @@ def get_config(arg: str = ""):
     c.learner.keep_checkpoints = 1
     c.learner.optimizer.learning_rate = 1e-4
     c.warm_start.steps = 300
-    if arg == "quick":  # a minute-scale smoke run of the same pipeline
-        c.warm_start.steps = 30
-        c.learner.total_steps = 6
-        c.learner.eval_every = 3
-        c.learner.eval_size = 16
-        c.learner.checkpoint_every = 3
-        c.learner.batch_groups = 2
+    if arg == "quick":
+        default.quick(c)
         c.rollout.group_size = 8
-        c.engine.max_slots = 16
     elif arg:
         raise ValueError(f"unknown config argument {arg!r} (valid: '', 'quick')")
     return c
