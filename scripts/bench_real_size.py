@@ -39,18 +39,13 @@ from pipelinerl_jax import sharding  # noqa: E402
 from pipelinerl_jax.learner import batching, train_step as ts  # noqa: E402
 from pipelinerl_jax.losses import get_loss  # noqa: E402
 from pipelinerl_jax.models import ModelConfig, from_pretrained, save_pretrained  # noqa: E402
-from pipelinerl_jax.models import tiny_config  # noqa: E402
+from pipelinerl_jax.models import config_qwen2_5_0_5b, tiny_config  # noqa: E402
 from pipelinerl_jax.models.config import dtype_of  # noqa: E402
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.run_config import optimizer_config  # noqa: E402
 from pipelinerl_jax.types import GenerationRequest, Rollout, SamplingParams  # noqa: E402
 
-# Qwen2.5-0.5B's config.json dimensions (no eos: decode runs its full length)
-QWEN_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                 num_heads=14, num_kv_heads=2, head_dim=64, model_type="qwen2", qkv_bias=True,
-                 tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768,
-                 rms_norm_eps=1e-6)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -186,7 +181,10 @@ def _sizes(a, cpu: bool) -> None:
             setattr(a, k, v)
     a.batches = tuple(int(b) for b in str(a.batches).split(","))
     n = len(jax.devices())
-    a.mesh = (1, 4, 2) if cpu and n == N_DEVICES else (1, n, 1)
+    if a.mesh is not None:
+        a.mesh = tuple(int(x) for x in str(a.mesh).split(","))
+    else:
+        a.mesh = (1, 4, 2) if cpu and n == N_DEVICES else (1, n, 1)
     if a.dtype == "auto":
         a.dtype = "float32" if cpu else "bfloat16"
 
@@ -205,11 +203,14 @@ def main():
               "matmul_n"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     p.add_argument("--batches", default=None, help="engine decode batches, e.g. 1,8,32")
+    p.add_argument("--mesh", default=None,
+                   help="learner mesh data,fsdp,tensor over the first devices, e.g. 1,1,1 "
+                        "(default: 1,4,2 on CPU, every device on fsdp elsewhere)")
     a = p.parse_args()
     cpu = jax.default_backend() == "cpu"
     _sizes(a, cpu)
     cfg = tiny_config("qwen2", max_position_embeddings=256) if a.smoke \
-        else ModelConfig(**QWEN_0_5B)
+        else config_qwen2_5_0_5b()
     workdir = a.workdir or tempfile.mkdtemp(prefix="bench_real_size_")
     ckpt = os.path.join(workdir, "qwen2.5-0.5b-random")
     t = time.perf_counter()

@@ -1,6 +1,7 @@
 """Weight publication's cost to the learner: blocking (before) vs overlapped (after).
 
     python scripts/bench_weight_sync.py [--steps 6] [--batch 4] [--seq 128] [--small]
+                                        [--model 100m|qwen2.5-0.5b]
 
 A ~100M-parameter Llama (`config_100m`) trains with a jitted, donating step (forward +
 backward + SGD); after every step its params are published as the learner does, through a
@@ -24,9 +25,12 @@ from pipelinerl_jax import sharding
 from pipelinerl_jax.learner import multihost
 from pipelinerl_jax.learner.loop import flat_params
 from pipelinerl_jax.learner.publication import Publication
-from pipelinerl_jax.models import config_100m, tiny_config, token_logprobs
+from pipelinerl_jax.models import config_100m, config_qwen2_5_0_5b, tiny_config, token_logprobs
 from pipelinerl_jax.transport.weight_sink import StreamSink
 from pipelinerl_jax.transport.weights import WeightPublisher
+
+
+MODELS = {"100m": config_100m, "qwen2.5-0.5b": config_qwen2_5_0_5b}
 
 
 def make_step(graphdef):
@@ -81,8 +85,10 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--small", action="store_true", help="the tiny model (a smoke run)")
+    p.add_argument("--model", default="100m", choices=sorted(MODELS),
+                   help="100m (config_100m) or qwen2.5-0.5b (its config's dimensions)")
     a = p.parse_args()
-    cfg = tiny_config() if a.small else config_100m()
+    cfg = tiny_config() if a.small else MODELS[a.model]()
     out = {"params_m": round(cfg.num_params / 1e6, 2), "batch": a.batch, "seq": a.seq,
            "devices": str(jax.devices()[0].platform)}
     for mode in ("blocking", "overlapped"):

@@ -1,11 +1,12 @@
 """Decoder models (Llama-3 / Qwen2 / Qwen3) and Hugging Face checkpoint I/O."""
 from pipelinerl_jax.models.config import (CheckpointError, ModelConfig, config_100m,
-                                          tiny_config)
+                                          config_qwen2_5_0_5b, tiny_config)
 from pipelinerl_jax.models.model import (Decoder, KVCache, init_cache, token_entropy,
                                          token_logprobs)
 
 __all__ = ["CheckpointError", "ModelConfig", "Decoder", "KVCache", "init_cache",
-           "token_logprobs", "token_entropy", "tiny_config", "config_100m"]
+           "token_logprobs", "token_entropy", "tiny_config", "config_100m",
+           "config_qwen2_5_0_5b"]
 from pipelinerl_jax.models.hf_io import (from_pretrained, hf_state_dict, load_config,  # noqa: E402
                                          save_pretrained)
 

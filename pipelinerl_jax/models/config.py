@@ -235,6 +235,17 @@ def tiny_config(model_type: str = "llama", **overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def config_qwen2_5_0_5b(**overrides) -> ModelConfig:
+    """Qwen2.5-0.5B's config.json dimensions (494M params, vocab 151936; no eos, so decode
+    benchmarks run their full length). Benchmarks build random weights of this shape."""
+    base = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                num_heads=14, num_kv_heads=2, head_dim=64, model_type="qwen2", qkv_bias=True,
+                tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=32768,
+                rms_norm_eps=1e-6)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
 def config_100m(vocab_size: int = 32000, **overrides) -> ModelConfig:
     """A ~100M-parameter Llama-style config used by benchmarks."""
     base = dict(vocab_size=vocab_size, hidden_size=768, intermediate_size=2048, num_layers=12,

@@ -27,3 +27,30 @@ def test_smoke_prints_one_json_line(tmp_path, param_dtype):
     assert abs(ratio - (4 if param_dtype == "bfloat16" else 2)) < 0.05, ratio
     assert set(out["engine"]) == {"batch_1", "batch_8"}
     assert all(e["tokens_per_s"] > 0 for e in out["engine"].values())
+
+
+def test_mesh_flag_runs_the_learner_on_one_device(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_real_size.py"),
+                           "--smoke", f"--workdir={tmp_path}", "--mesh=1,1,1", "--only=learner"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["learner"]["mesh"] == "1x1x1" and "engine" not in out
+    # one device holds every parameter: the 1x4x2 mesh's per-device share times 8
+    assert out["learner"]["param_bytes_per_device"] > 0
+
+
+def test_weight_sync_bench_smoke():
+    """scripts/bench_weight_sync.py --small: both publication modes through a real StreamSink."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_weight_sync.py"),
+                           "--small", "--steps=3", "--seq=16"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mode in ("blocking", "overlapped"):
+        m = out[mode]
+        assert m["step_s"] > 0 and m["publish_blocking_s"] >= 0
+        assert abs(m["sync_fraction"] - m["publish_blocking_s"] / m["step_s"]) < 0.01, m
