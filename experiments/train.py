@@ -4,12 +4,17 @@ Overrides: `--config.loss.name=tis --config.loss.cap=2.0 --config.mode=sync ...`
 Re-running with the same `--workdir` resumes from the last checkpoint.
 """
 import json
+import os
+import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+# configs/*.py import the `configs` package: the repo root must be importable
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.launch.supervisor import exit_now
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from pipelinerl_jax.config import ConfigError  # noqa: E402
+from pipelinerl_jax.launch.supervisor import exit_now  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config.",
                                           lock_config=True)

@@ -24,7 +24,7 @@ from pipelinerl_jax import sharding
 from pipelinerl_jax.models import config_100m, tiny_config, token_logprobs
 
 
-def _timeit(fn, *args, repeats=5):
+def _timeit(fn, *args, repeats=5, best=False):
     out = fn(*args)
     jax.block_until_ready(out)  # compile + warm up
     times = []
@@ -33,14 +33,16 @@ def _timeit(fn, *args, repeats=5):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
     times.sort()
-    return times[len(times) // 2]
+    return times[0] if best else times[len(times) // 2]
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """The peak: the best of `repeats` (a median of 5 read 124 GFLOP/s on 2026-11-29 where the
+    best of 10 reads ~375 on a quiet machine)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     f = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / _timeit(f, a, b, repeats=repeats) / 1e9
+    return 2 * n**3 / _timeit(f, a, b, repeats=repeats, best=True) / 1e9
 
 
 def bench_model(cfg, batch: int, seq: int, peak_gflops: float, repeats: int) -> dict:
@@ -76,7 +78,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     args = p.parse_args()
     repeats = 3 if args.quick else 5
-    peak = matmul_gflops(1024 if args.quick else 2048, repeats)
+    peak = matmul_gflops(1024 if args.quick else 2048, max(repeats, 10))
     out = {
         "bench": "model",
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, {jax.default_backend()}",

@@ -3,11 +3,14 @@
   PYTHONPATH=. python scripts/export_results.py --results=runs/staleness --out=results/staleness
   PYTHONPATH=. python scripts/export_results.py --results=runs/repro_tinker,runs/repro_dppo \
       --out=results/repro
+  PYTHONPATH=. python scripts/export_results.py --results=runs/sb --out=results/sampler_bound \
+      --raw_run='schedule=sync128,seed=0' --raw_run='schedule=async2,seed=0'
 
 steps.csv keeps, per run and step, the metrics every figure drawn from step metrics needs
 (results.STEP_COLUMNS and the per-lag-bucket tokens, ESS, clip fraction and KL k3, blank where
 a bucket has no tokens) at 6 significant digits; histograms, per-sample lists and the rest
-of metrics.jsonl stay in the run directories. scripts/reproduce_figures.py,
+of metrics.jsonl stay in the run directories, except for the runs named by --raw_run, whose
+raw logs are copied to OUT/raw/<name>/ (the simulator calibrates from them). scripts/reproduce_figures.py,
 scripts/staleness_report.py and scripts/repro_verdict.py read the folder like a grid.
 """
 import json
@@ -22,6 +25,9 @@ from pipelinerl_jax.ablation import results  # noqa: E402
 
 _RESULTS = flags.DEFINE_list("results", [], "Grid or run directories.")
 _OUT = flags.DEFINE_string("out", None, "Folder for the tables.", required=True)
+_RAW = flags.DEFINE_multi_string("raw_run", [], "A run whose raw logs (metrics, samples, "
+                                 "engine_stats, config) are copied to OUT/raw/<name>/: what the "
+                                 "occupancy_vs_sim figure calibrates the simulator from. Repeat.")
 
 
 def _analysis(roots):
@@ -43,9 +49,13 @@ def main(argv):
     if analysis is not None:  # the grid's thresholds travel with its tables (reports read them)
         with open(os.path.join(_OUT.value, "ablation.json"), "w") as f:
             json.dump({"analysis": analysis}, f, indent=2)
+    try:
+        out["tables"]["raw"] = results.export_raw(_RESULTS.value, _RAW.value, _OUT.value)
+    except results.RunError as e:
+        raise app.UsageError(str(e)) from None
     for p in out["problems"]:
         print(f"skipped: {p}", file=sys.stderr)
-    sizes = {k: os.path.getsize(v) for k, v in out["tables"].items()}
+    sizes = {k: os.path.getsize(v) for k, v in out["tables"].items() if k != "raw"}
     print(json.dumps({"runs": out["runs"], "bytes": sizes, **out["tables"]}))
 
 

@@ -42,8 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from pipelinerl_jax.ablation.results import Run, load_run, load_runs, summarize_run  # noqa: E402
-from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run  # noqa: E402
-from pipelinerl_jax.sim.config import build_setup, default_config  # noqa: E402
+from pipelinerl_jax.sim.calibrate import calibrated_setup, embedded_cpu_base, read_run  # noqa: E402
 from pipelinerl_jax.sim.pipeline import simulate  # noqa: E402
 
 GOAL_SPEEDUP = 1.8  # issue 16: async >= 1.8x sync to the same held-out accuracy
@@ -149,15 +148,6 @@ def sync_balance(run: Run) -> dict:
             "sampler_occupancy": float(np.mean(occ)) if occ else None}
 
 
-def _sim_base():
-    c = default_config()
-    c.hardware.preset, c.model.preset = "cpu", "tiny"
-    c.devices, c.split.samplers, c.split.trainers = 2, 1, 1
-    c.rollout.max_new_tokens = 512
-    c.output.trace_steps = 0
-    return build_setup(c)
-
-
 def _train_fit(run_dir: str, fallback: tuple) -> tuple:
     """Train step time = c + d·tokens over the run's steps, the first and the ones that
     compiled left out (`read_run` drops only the first)."""
@@ -180,7 +170,7 @@ def simulate_schedules(run_dir: str, max_lags: Sequence[int]) -> dict:
     run directory (a sync run of the workload)."""
     m = read_run(run_dir)
     m = dataclasses.replace(m, train_fit=_train_fit(run_dir, m.train_fit))
-    s = calibrated_setup(m, _sim_base())
+    s = calibrated_setup(m, embedded_cpu_base(512))
     # This machine's sync: one sampler core and one learner core taking turns, i.e. one
     # device that samples and then trains (calibrated_setup would let both cores do each).
     sync = dataclasses.replace(s, mode="sync", devices=1, samplers=1, trainers=1, max_lag=None)

@@ -34,8 +34,9 @@ from pipelinerl_jax.ablation.plotting import Skip, plt
 from pipelinerl_jax.ablation.plotting import colors as _colors
 from pipelinerl_jax.ablation.plotting import save as _save
 from pipelinerl_jax.ablation.plotting import smooth as _smooth
-from pipelinerl_jax.ablation.results import (LAG_BUCKETS, Run, lag_hist, load_runs,
-                                             response_lengths, summarize_run)
+from pipelinerl_jax.ablation.results import (LAG_BUCKETS, Run, lag_hist, load_run, load_runs,
+                                             raw_dir, response_lengths, summarize_run)
+from pipelinerl_jax.ablation.staleness import loss_label
 from pipelinerl_jax.metrics import read_jsonl
 
 __all__ = ["FIGURES", "Skip", "make_all"]
@@ -43,10 +44,6 @@ __all__ = ["FIGURES", "Skip", "make_all"]
 
 def _injected(r: Run) -> bool:
     return bool(r.get("lag_injection.enabled", False))
-
-
-def _loss_label(r: Run) -> str:
-    return r.labels.get("loss") or str(r.get("loss.name", "?"))
 
 
 def _schedule_label(r: Run) -> str:
@@ -73,6 +70,13 @@ def _groups(runs: Sequence[Run], key: Callable[[Run], str]) -> Dict[str, List[Ru
     return out
 
 
+def _swept(runs: Sequence[Run], axis: str) -> List[Run]:
+    """The runs of grids that sweep `axis` (runs labelled with it), or all runs if none are:
+    a figure about schedules must not pool, say, a kv_policy grid's async runs of another
+    workload with a schedule grid's."""
+    return [r for r in runs if axis in (r.labels or {})] or list(runs)
+
+
 def _time_to(r: Run, target: float) -> Optional[float]:
     return next((t for _, t, a in r.evals if a >= target), None)
 
@@ -84,7 +88,7 @@ def sync_vs_async(runs: Sequence[Run], out: str, target: Optional[float] = None)
     time each schedule first reaches `target` (the grid's `analysis.target_accuracy`, or if
     that is absent or not reached by every schedule, 3/4 of the way from the warm start to the
     best accuracy every schedule reaches) and the async speedup over sync to it."""
-    runs = [r for r in runs if not _injected(r) and r.evals]
+    runs = _swept([r for r in runs if not _injected(r) and r.evals], "schedule")
     if any(r.get("engine.kv_policy") == "keep" for r in runs):
         runs = [r for r in runs if r.get("engine.kv_policy", "keep") == "keep"]
     groups = _groups(runs, _schedule_label)
@@ -164,7 +168,7 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
     runs = [r for r in runs if _injected(r) and r.evals]
     if not runs:
         raise Skip("needs runs with lag_injection.enabled (configs/ablate/staleness.py)")
-    losses = _groups(runs, _loss_label)
+    losses = _groups(runs, loss_label)
     lags = sorted({int(r.get("lag_injection.k", 0)) for r in runs})
     xpos = {k: i for i, k in enumerate(lags)}
     fig, (ax, ax_kl) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -235,7 +239,7 @@ def diagnostics_by_lag(runs: Sequence[Run], out: str) -> dict:
     runs = [r for r in runs if any(f"loss/lag_{b}/tokens" in r.rows[-1] for b in LAG_BUCKETS)]
     if not runs:
         raise Skip("needs runs that log per-lag diagnostics (loss/lag_<bucket>/...)")
-    losses = _groups(runs, _loss_label)
+    losses = _groups(runs, loss_label)
     names = (("ess", "token ESS"), ("clip_frac", "clip fraction"), ("kl_k3", "KL k3 (nats/token)"))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.9))
     facts = {}
@@ -270,7 +274,8 @@ def diagnostics_by_lag(runs: Sequence[Run], out: str) -> dict:
 def kv_policy(runs: Sequence[Run], out: str) -> dict:
     """keep vs recompute at matched max_lag (async, no injection): final held-out accuracy,
     mean token lag vs mean KV lag, and learner steps per minute."""
-    runs = [r for r in runs if not _injected(r) and r.get("mode") == "async" and r.evals]
+    runs = _swept([r for r in runs if not _injected(r) and r.get("mode") == "async" and r.evals],
+                  "kv_policy")
     lags = sorted({r.get("max_lag") for r in runs
                    if {"keep", "recompute"} <= {q.get("engine.kv_policy") for q in runs
                                                 if q.get("max_lag") == r.get("max_lag")}})
@@ -341,32 +346,26 @@ def _learner_idle_series(r: Run):
     return t[1:] - t0, np.clip(1 - busy / np.maximum(dt, 1e-9), 0, 1)
 
 
-def _sim_base():
-    from pipelinerl_jax.sim.config import build_setup, default_config  # --sim figures only
-    c = default_config()
-    c.hardware.preset, c.model.preset = "cpu", "tiny"
-    c.devices, c.split.samplers, c.split.trainers = 2, 1, 1
-    c.rollout.max_new_tokens = 128
-    c.output.series_dt_s = 0.5
-    c.output.trace_steps = 0
-    return build_setup(c)
-
-
 def occupancy_vs_sim(runs: Sequence[Run], out: str) -> dict:
     """Sampler slot occupancy and learner idle fraction over time for one sync and one async
     run (the async one with the largest max_lag), measured (thin: raw, thick: 10 s mean)
     beside the simulator calibrated from that run's own logs (`sim.calibrate`)."""
     from pipelinerl_jax.sim import plots as sim_plots  # --sim figures only
-    from pipelinerl_jax.sim.calibrate import calibrated_setup, read_run  # --sim only
+    from pipelinerl_jax.sim.calibrate import (calibrated_setup, embedded_cpu_base,  # --sim only
+                                              read_run)
     from pipelinerl_jax.sim.pipeline import simulate  # --sim only
-    cands = [r for r in runs if not _injected(r)
-             and os.path.exists(os.path.join(r.path, "engine_stats.jsonl"))
-             and r.get("engine.kv_policy", "keep") == "keep"]
+    cands = []  # runs with raw logs: run directories, or tables' raw/<name> (export_raw)
+    for r in runs:
+        d = raw_dir(r) if not _injected(r) and r.get("engine.kv_policy", "keep") == "keep" \
+            else None
+        if d is not None:
+            cands.append(r if d == r.path else load_run(d))
     sync = [r for r in cands if r.get("mode") == "sync"]
     asyn = sorted([r for r in cands if r.get("mode") == "async"], key=lambda r: -r.get("max_lag", 0))
     if not sync or not asyn:
-        raise Skip("needs a sync and an async run without lag injection, with engine_stats.jsonl")
-    base = _sim_base()
+        raise Skip("needs a sync and an async run without lag injection, with engine_stats.jsonl "
+                   "(a run directory, or committed tables' raw/<run>: export_results --raw_run)")
+    base = embedded_cpu_base(128, series_dt_s=0.5)
     fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex="col")
     facts = {}
     for row, r in enumerate((sync[0], asyn[0])):
@@ -436,7 +435,7 @@ def lengths_and_lag(runs: Sequence[Run], out: str, max_samples: int = 200_000) -
     """Left: the response-length distribution of the task (every sample the workers scored,
     pooled over the runs without lag injection, or all runs if none), with its median and
     p99. Right: the fraction of trained tokens at each lag (summed `lag/hist`) per schedule."""
-    pool = [r for r in runs if not _injected(r)] or list(runs)
+    pool = _swept([r for r in runs if not _injected(r)], "schedule") or list(runs)
     counts: Dict[int, int] = {}
     for r in pool:
         for k, c in response_lengths(r).items():
@@ -446,7 +445,7 @@ def lengths_and_lag(runs: Sequence[Run], out: str, max_samples: int = 200_000) -
     lengths = np.repeat(np.asarray(sorted(counts), int),
                         [counts[k] for k in sorted(counts)]).tolist()
     hists = {}
-    scheduled = [r for r in runs if not _injected(r)]
+    scheduled = _swept([r for r in runs if not _injected(r)], "schedule")
     for r in scheduled or runs:  # injected runs only when there is nothing else to show
         h = lag_hist(r)
         if h.sum() > 0:

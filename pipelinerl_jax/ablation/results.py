@@ -38,6 +38,7 @@ import glob
 import json
 import math
 import os
+import shutil
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -227,6 +228,39 @@ def find_run_dirs(roots: Iterable[str], max_depth: int = 3) -> Tuple[List[str], 
         if len(found) == before:
             problems.append(f"{root}: no run directories found")
     return sorted(set(found)), problems
+
+
+# A folder of committed tables may carry the raw logs of a few runs in RAW_DIR/<run name>/
+# (`export_raw`): what the simulator calibrates from (occupancy_vs_sim), too big for every run.
+RAW_DIR = "raw"
+RAW_FILES = ("config.json", "spec.json", "status.json", "metrics.jsonl", "engine_stats.jsonl",
+             "samples*.jsonl")
+
+
+def raw_dir(run: Run) -> Optional[str]:
+    """The directory holding `run`'s raw logs (engine_stats.jsonl): its own run directory, or
+    `<tables>/raw/<name>` for a run read from committed tables; None when neither has them."""
+    for d in (run.path, os.path.join(run.path, RAW_DIR, run.name)):
+        if os.path.isfile(os.path.join(d, "engine_stats.jsonl")):
+            return d
+    return None
+
+
+def export_raw(roots: Sequence[str], names: Sequence[str], out: str) -> List[str]:
+    """Copies the RAW_FILES of the runs called `names` (under `roots`) into out/raw/<name>/;
+    returns the directories written. Raises RunError naming a run that is absent."""
+    runs = {r.name: r for r in load_runs(roots)[0]}
+    written = []
+    for name in names:
+        if name not in runs or not os.path.isdir(runs[name].path):
+            raise RunError(f"--raw_run {name!r}: no such run directory under {list(roots)}")
+        dst = os.path.join(out, RAW_DIR, name)
+        os.makedirs(dst, exist_ok=True)
+        for pattern in RAW_FILES:
+            for src in sorted(glob.glob(os.path.join(runs[name].path, pattern))):
+                shutil.copyfile(src, os.path.join(dst, os.path.basename(src)))
+        written.append(dst)
+    return written
 
 
 def load_runs(roots: Iterable[str]) -> Tuple[List[Run], List[str]]:

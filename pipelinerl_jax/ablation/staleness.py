@@ -27,7 +27,12 @@ Grid = Dict[str, Dict[int, Dict[int, Run]]]
 
 
 def loss_label(r: Run) -> str:
-    return r.labels.get("loss") or str(r.get("loss.name", "?"))
+    """The run's loss label, with any other grid axis it sits on (e.g. `ppo (minibatches=4)`):
+    runs of another grid that share a loss label but not its settings (the decoupled-PPO
+    repro's 4-minibatch, lr 5e-5 ppo) must not pool with, or replace, the staleness grid's."""
+    base = r.labels.get("loss") or str(r.get("loss.name", "?"))
+    extra = [f"{k}={v}" for k, v in sorted(r.labels.items()) if k not in ("loss", "lag", "seed")]
+    return f"{base} ({', '.join(extra)})" if extra else base
 
 
 def seed_of(r: Run) -> int:

@@ -28,6 +28,7 @@ import os
 import numpy as np
 
 from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.sim.config import build_setup, default_config
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime
 from pipelinerl_jax.sim.lengths import Empirical
 from pipelinerl_jax.sim.pipeline import MODES, simulate
@@ -165,6 +166,21 @@ def read_run(run_dir: str, warmup_fraction: float = 0.1) -> RunMeasurements:
         group_size=group, prompt_len=int(prompt_len or 0),
         mode=mode if mode in MODES else "async",
         max_lag=int(max_lag) if max_lag is not None else None, steps=n, measured=measured)
+
+
+def embedded_cpu_base(max_new_tokens: int, series_dt_s=None):
+    """The simulator setting of this repo's embedded pipeline on a 2-core CPU (one sampler
+    core, one learner core, the tiny model): the base that `calibrated_setup` refits from a
+    run's logs. `max_new_tokens` bounds the simulated lengths; `series_dt_s` sets the time
+    step of the occupancy series (None: the default)."""
+    c = default_config()
+    c.hardware.preset, c.model.preset = "cpu", "tiny"
+    c.devices, c.split.samplers, c.split.trainers = 2, 1, 1
+    c.rollout.max_new_tokens = max_new_tokens
+    if series_dt_s is not None:
+        c.output.series_dt_s = series_dt_s
+    c.output.trace_steps = 0
+    return build_setup(c)
 
 
 def calibrated_setup(m: RunMeasurements, base):

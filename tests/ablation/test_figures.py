@@ -126,3 +126,65 @@ def test_instability_events(tmp_path):
         f.write(json.dumps(dict(rows[12], **{"eval/accuracy": 0.9})) + "\n")
     again = results.load_run(run)
     assert len(again.rows) == 13 and again.evals[-1][2] == 0.9
+
+
+def test_schedule_and_kv_policy_figures_do_not_pool_other_grids(results_dir, tmp_path):
+    """A kv_policy grid (runs labelled kv_policy=..., no schedule label) committed beside a
+    schedule grid stays out of sync_vs_async and lengths_and_lag, and the kv_policy figure
+    draws from it alone (before, its async runs joined the schedule grid's and vice versa)."""
+    base = figures.make_all([results_dir], str(tmp_path / "a"), log=lambda m: None)["figures"]
+    kv = tmp_path / "kv_grid" / "runs"
+    for policy in ("keep", "recompute"):  # another workload: faster steps, other accuracy
+        synthetic.write_run(str(kv / f"kv_{policy}"), max_lag=4, kv=policy, seed=5,
+                            labels={"kv_policy": policy, "max_lag": "4", "seed": "5"},
+                            acc_fn=lambda step: 0.9)
+    both = figures.make_all([results_dir, str(tmp_path / "kv_grid")], str(tmp_path / "b"),
+                            log=lambda m: None)["figures"]
+    for name in ("sync_vs_async", "lengths_and_lag"):
+        a, b = dict(base[name]), dict(both[name])
+        a.pop("path"), b.pop("path")
+        assert json.dumps(a, default=str) == json.dumps(b, default=str), name
+    assert set(both["kv_policy"]["keep"]) == {"4"}
+    assert both["kv_policy"]["keep"]["4"]["final_eval_accuracy"] == pytest.approx(0.9)
+    assert base["kv_policy"]["keep"]["4"]["final_eval_accuracy"] != pytest.approx(0.9)
+
+
+def test_occupancy_figure_from_committed_tables_with_raw_runs(results_dir, tmp_path):
+    """export_raw copies two runs' raw logs beside the tables; occupancy_vs_sim (which
+    calibrates the simulator from raw logs) then draws from the committed folder alone, with
+    the numbers it draws from the run directories, and every other figure is unchanged."""
+    out = str(tmp_path / "tables")
+    results.export_tables([results_dir], out)
+    names = ["schedule=sync,seed=0", "kv=keep,schedule=async4,seed=0"]
+    written = results.export_raw([results_dir], names, out)
+    assert [os.path.basename(d) for d in written] == names
+    assert os.path.isfile(os.path.join(out, "raw", names[0], "engine_stats.jsonl"))
+    with pytest.raises(results.RunError, match="no_such_run"):
+        results.export_raw([results_dir], ["no_such_run"], out)
+    from_csv = figures.make_all([out], str(tmp_path / "a"), log=lambda m: None)["figures"]
+    raw_only = [os.path.join(results_dir, "runs", d) for d in
+                ("sync_s0", "async4_keep_s0")]
+    from_runs = figures.make_all(raw_only, str(tmp_path / "b"), only=["occupancy_vs_sim"],
+                                 log=lambda m: None)["figures"]
+    a, b = dict(from_csv["occupancy_vs_sim"]), dict(from_runs["occupancy_vs_sim"])
+    a.pop("path"), b.pop("path")
+    assert json.dumps(a, default=str) == json.dumps(b, default=str)
+    assert not any("skipped" in f for f in from_csv.values())
+
+
+def test_lag_figures_keep_other_grids_settings_apart(results_dir, tmp_path):
+    """A repro grid whose loss label matches the staleness grid's but which sits on another
+    axis (minibatches=4) gets its own row: before, lag_ablation pooled it into 'ppo' and
+    ess_vs_drop's lag grid replaced the staleness runs of the same loss, lag and seed."""
+    base = figures.make_all([results_dir], str(tmp_path / "a"), only=["lag_ablation"],
+                            log=lambda m: None)["figures"]["lag_ablation"]
+    other = tmp_path / "repro" / "runs"
+    for seed in (0, 1):
+        synthetic.write_run(str(other / f"ppo_mb4_s{seed}"), loss="ppo", injected=True, k=0,
+                            seed=seed, minibatches=4, acc_fn=lambda step: 0.05,
+                            labels={"loss": "ppo", "lag": "0", "minibatches": "4",
+                                    "seed": str(seed)})
+    both = figures.make_all([results_dir, str(tmp_path / "repro")], str(tmp_path / "b"),
+                            only=["lag_ablation"], log=lambda m: None)["figures"]["lag_ablation"]
+    assert both["losses"]["ppo"] == base["losses"]["ppo"]
+    assert both["losses"]["ppo (minibatches=4)"]["0"]["seeds"] == 2

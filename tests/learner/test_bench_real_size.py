@@ -21,6 +21,10 @@ def test_smoke_prints_one_json_line(tmp_path, param_dtype):
     assert out["devices"] == "8 x cpu" and out["learner"]["mesh"] == "1x4x2"
     learner = out["learner"]
     assert learner["step_s"] > 0 and 0 < learner["mfu"] < 2
+    # the AdamW update alone, reported apart: part of the step, so the rest is more efficient
+    assert 0 < learner["optimizer_s"] and learner["mfu_excl_optimizer"] >= learner["mfu"]
+    # against the run's highest peak it can only be lower than against each step's own peak
+    assert 0 < learner["mfu_vs_best_peak"] <= learner["mfu"] + 1e-4
     assert learner["param_dtype"] == param_dtype and learner["loss"] == learner["loss"]
     # float32 Adam moments whatever the params' dtype: 2 (float32) or 4 (bf16) times the params
     ratio = learner["opt_bytes_per_device"] / learner["param_bytes_per_device"]
