@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine  # noqa: E402
-from pipelinerl_jax.testing.sglang_server import ServerProcess  # noqa: E402
+from pipelinerl_jax.testing.sglang_process import ServerProcess  # noqa: E402
 from pipelinerl_jax.types import GenerationRequest, SamplingParams  # noqa: E402
 
 

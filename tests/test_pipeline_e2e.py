@@ -56,7 +56,7 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
 def test_pipeline_with_sglang_samplers(tmp_path, init_ckpt):
     """`sampler.kind=sglang`: two SGLang test-server processes sample; the learner writes HF
     version directories and the servers are refit through /update_weights_from_disk."""
-    from pipelinerl_jax.testing.sglang_server import ServerProcess
+    from pipelinerl_jax.testing.sglang_process import ServerProcess
     shape = ('{"max_slots": 8, "max_seq_len": 32, "prefill_buckets": [32], '
              '"cache_buckets": [32], "max_prefill_batch": 2}')
     servers = [ServerProcess(["--model-path", init_ckpt, "--port", "0", "--weight-version",

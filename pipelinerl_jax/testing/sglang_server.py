@@ -71,11 +71,12 @@ return their samples aborted after that many tokens, as a server-side abort does
 (sleep before answering /generate), version_spans, auto_step (false: the engine only runs
 on /_test/step, so a test can place a weight update between two exact decode steps), and
 sglang-jax's gaps: resend_logprobs_every, update_endpoint, weight_version_field (see
-`_gap_answer`).
+`sglang_faults.gap_answer`).
 `--stub` replaces generation by a zero-cost deterministic one (token ids from a hash,
 log-prob -1.0), so that a benchmark measures the client, not the model.
 
-`ServerProcess` starts one as a child process and talks to its test endpoints.
+`sglang_process.ServerProcess` starts one as a child process and talks to its test endpoints;
+`sglang_faults` holds the switches' answers.
 
 Deviations from SGLang, on purpose: no text input, no streaming (400); only
 `stop_token_ids` end a sample (no model EOS unless listed); a weight update while not paused
@@ -97,17 +98,15 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
+from pipelinerl_jax.testing.sglang_faults import (DEFAULT_SWITCHES, Raw, Status, corrupt,
+                                                  gap_answer, gap_info, gap_route)
+
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 PAUSE_MODES = ("abort", "retract", "in_place")
 _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids",
                   "n", "sampling_seed", "ignore_eos", "skip_special_tokens", "no_stop_trim",
                   "spaces_between_special_tokens", "frequency_penalty", "presence_penalty",
                   "repetition_penalty", "min_new_tokens", "stop", "stream_interval"}
-DEFAULT_SWITCHES = dict(startup_503_s=0.0, fail_every=0, fail_status=503, corrupt_every=0,
-                        abort_every=0,
-                        abort_next=0, abort_after_tokens=2, delay_s=0.0, version_spans=True,
-                        auto_step=True,
-                        resend_logprobs_every=0, update_endpoint=True, weight_version_field=True)
 
 
 class BadRequest(Exception):
@@ -232,7 +231,7 @@ class ServerState:
             call = self.counts["generate"]
             sw = dict(self.switches)
         if sw["fail_every"] and call % sw["fail_every"] == 0:
-            return _Status(sw["fail_status"], {"error": {"message": f"injected failure of "
+            return Status(sw["fail_status"], {"error": {"message": f"injected failure of "
                                                                     f"request #{call}"}})
         if sw["delay_s"]:
             time.sleep(sw["delay_s"])
@@ -246,11 +245,11 @@ class ServerState:
                 abort_k = sw["abort_after_tokens"]
         out = [self._answer(item, res, abort_k, time.time() - t0, sw["version_spans"])
                for item, res in zip(items, results)]
-        out = [_gap_answer(o, sw) for o in out]
+        out = [gap_answer(o, sw) for o in out]
         if sw["corrupt_every"] and call % sw["corrupt_every"] == 0:
             with self.lock:
                 self.counts["corrupted"] += 1
-            return _corrupt(out, call // sw["corrupt_every"])
+            return corrupt(out, call // sw["corrupt_every"])
         return out[0] if single and n == 1 else out
 
     def _check(self, prompt, s: dict) -> None:
@@ -423,7 +422,7 @@ class ServerState:
             running = bool(self.live)
             in_place = self.paused and self.pause_mode == "in_place"
         if in_place and running and body.get("flush_cache", True):
-            return _Status(400, {"success": False, "num_paused_requests": 0, "message":
+            return Status(400, {"success": False, "num_paused_requests": 0, "message":
                                  "Cache flush failed after updating weights: requests are "
                                  "paused in place (send flush_cache=false)"})
         t0 = time.perf_counter()
@@ -434,7 +433,7 @@ class ServerState:
             else:
                 self.engine.update_weights(path, self.internal_version + 1, wait=True)
         except Exception as e:  # noqa: BLE001 - SGLang answers a failed load with 400
-            return _Status(400, {"success": False, "num_paused_requests": 0,
+            return Status(400, {"success": False, "num_paused_requests": 0,
                                  "message": f"Failed to update weights: {e}. Rolling back to "
                                             f"the previous weights."})
         with self.lock:
@@ -470,40 +469,6 @@ class _StubResult:
         self.tokens, self.version = tokens, version
 
 
-class _Status:
-    """A JSON answer with a non-200 status."""
-
-    def __init__(self, status: int, body: Any):
-        self.status, self.body = status, body
-
-
-class _Raw:
-    """A 200 answer whose body is these bytes, as they are (not JSON-encoded)."""
-
-    def __init__(self, body: bytes):
-        self.body = body
-
-
-CORRUPTIONS = ("not_json", "nan_logprob", "out_of_vocab", "no_meta_info")
-
-
-def _corrupt(outputs: List[dict], k: int) -> Any:
-    """A misbehaving server's answer (switch corrupt_every), cycling through CORRUPTIONS."""
-    kind = CORRUPTIONS[k % len(CORRUPTIONS)]
-    if kind == "not_json":
-        return _Raw(json.dumps(outputs).encode()[:40])  # cut off mid-answer
-    first = outputs[0]
-    pairs = first["meta_info"].get("output_token_logprobs") or [[0.0, 0, None]]
-    if kind == "nan_logprob":
-        pairs[0][0] = float("nan")  # json.dumps writes NaN, which json.loads accepts
-    elif kind == "out_of_vocab":
-        first["output_ids"] = [1 << 20] + first["output_ids"][1:]
-        pairs[0][1] = 1 << 20
-    else:
-        del first["meta_info"]
-    return outputs
-
-
 def _rid(rid: Any, single: bool, i: int, n: int) -> str:
     """The rid of one sample of prompt `i` (see the module docstring, "Request ids")."""
     if n > 1 or rid is None:
@@ -527,40 +492,6 @@ def _spans(labels: List[str]) -> List[dict]:
         else:
             spans.append({"version": v, "start": t, "end": t + 1})
     return spans
-
-
-# ---------------------------------------------------------------- sglang-jax's gaps (switches)
-# What sglang-jax 0.1.0rc0 does differently from SGLang (scripts/sglang_conformance.py), so
-# that the default suite covers the engine's handling of it. resend_logprobs_every=k: every
-# k-th token resends the log-probs from offset 0 (k=50 there), so an answer of c tokens
-# carries the prefixes k, 2k, ... < c before its c entries; update_endpoint=false: 404 on the
-# weight endpoints; weight_version_field=false: no weight_version (answers, /get_model_info)
-# and no per-token spans.
-_WEIGHT_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/get_weight_version")
-
-
-def _gap_route(switches: dict, path: str) -> Optional[_Status]:
-    if not switches["update_endpoint"] and path in _WEIGHT_PATHS:
-        return _Status(404, {"detail": "Not Found"})
-    return None
-
-
-def _gap_info(info: dict, switches: dict) -> dict:
-    if not switches["weight_version_field"]:
-        info.pop("weight_version", None)
-    return info
-
-
-def _gap_answer(out: dict, switches: dict) -> dict:
-    meta = out["meta_info"]
-    if not switches["weight_version_field"]:
-        meta.pop("weight_version", None)
-        meta.pop("weight_versions", None)
-    k, pairs = switches["resend_logprobs_every"], meta.get("output_token_logprobs")
-    if k and pairs:
-        meta["output_token_logprobs"] = [p for j in range(k, len(pairs), k)
-                                         for p in pairs[:j]] + pairs
-    return out
 
 
 def make_handler(state: ServerState):
@@ -608,16 +539,16 @@ def make_handler(state: ServerState):
                 body = self._body() if method == "POST" else {}
                 result = self._route(method, self.path.split("?")[0], body)
             except BadRequest as e:
-                result = _Status(400, {"error": {"message": str(e)}})
+                result = Status(400, {"error": {"message": str(e)}})
             except Exception as e:  # noqa: BLE001 - a server bug is a 500, never a hang
-                result = _Status(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
-            if isinstance(result, _Raw):
+                result = Status(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
+            if isinstance(result, Raw):
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(result.body)))
                 self.end_headers()
                 self.wfile.write(result.body)
-            elif isinstance(result, _Status):
+            elif isinstance(result, Status):
                 self._send(result.status, result.body)
             else:
                 self._send(200, result)
@@ -625,12 +556,12 @@ def make_handler(state: ServerState):
         def _route(self, method: str, path: str, body: dict):
             s = state
             if path in ("/health", "/health_generate"):
-                return _Status(503, None) if s.starting() else None
-            gap = _gap_route(s.switches, path)
+                return Status(503, None) if s.starting() else None
+            gap = gap_route(s.switches, path)
             if gap is not None:
                 return gap
             if path == "/get_model_info":
-                return _gap_info(s.info(), s.switches)
+                return gap_info(s.info(), s.switches)
             if path == "/get_weight_version":
                 return {"weight_version": s.info()["weight_version"]}
             if path == "/get_server_info":
@@ -657,10 +588,10 @@ def make_handler(state: ServerState):
                 produced = sum(s.engine.step() for _ in range(int(body.get("steps", 1))))
                 return {"tokens": produced}
             if method != "POST":
-                return _Status(405 if path in _POST_PATHS else 404,
+                return Status(405 if path in _POST_PATHS else 404,
                                {"error": {"message": f"{method} {path} is not served"}})
             if path == "/generate":
-                return _Status(503, {"error": {"message": "server is starting"}}) \
+                return Status(503, {"error": {"message": "server is starting"}}) \
                     if s.starting() else s.generate(body)
             if path == "/pause_generation":
                 s.pause(body.get("mode", "abort"))
@@ -680,14 +611,14 @@ def make_handler(state: ServerState):
             if path == "/flush_cache":  # refused while requests run (SGLang's scheduler
                 with s.lock:  # flush_cache; http_server answers 400; sglang-jax, measured)
                     busy = bool(s.live)
-                return _Status(400, "Cache not flushed: there are pending requests") \
+                return Status(400, "Cache not flushed: there are pending requests") \
                     if busy else None
             if path == "/_test/reset":
                 with s.lock:
                     s.record.clear()
                     s.counts.clear()
                 return None
-            return _Status(404, {"error": {"message": f"no route {path}"}})
+            return Status(404, {"error": {"message": f"no route {path}"}})
 
     return Handler
 
@@ -695,65 +626,6 @@ def make_handler(state: ServerState):
 _POST_PATHS = {"/generate", "/pause_generation", "/continue_generation", "/abort_request",
                "/update_weights_from_disk", "/update_weight_version", "/flush_cache",
                "/_test/reset"}
-
-
-class ServerProcess:
-    """A test server in a child process: `ServerProcess(["--stub"]).url` once it listens."""
-
-    def __init__(self, args: List[str], env: Optional[dict] = None, wait_ready: bool = True,
-                 timeout_s: float = 300.0):
-        import subprocess
-        env = dict(os.environ if env is None else env)
-        env.setdefault("JAX_PLATFORMS", "cpu")
-        env["XLA_FLAGS"] = ""  # one CPU device, whatever the parent (tests fake 8) uses
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl_jax.testing.sglang_server", *args],
-            stdout=subprocess.PIPE, text=True, env=env)
-        first = self._line(timeout_s)
-        self.port, self.pid = first["port"], first["pid"]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ready = False
-        if wait_ready:
-            self.wait_ready(timeout_s)
-
-    def _line(self, timeout_s: float) -> dict:
-        box: dict = {}
-        t = threading.Thread(target=lambda: box.setdefault("l", self.proc.stdout.readline()),
-                             daemon=True)
-        t.start()
-        t.join(timeout_s)
-        if not box.get("l"):
-            self.kill()
-            raise RuntimeError(f"test server did not start (exit code {self.proc.poll()})")
-        return json.loads(box["l"])
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        if not self.ready:
-            self.ready = bool(self._line(timeout_s).get("ready"))
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        import urllib.request
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            raw = resp.read()
-        return json.loads(raw) if raw else None
-
-    def record(self) -> List[dict]:
-        return self.call("GET", "/_test/record")["record"]
-
-    def configure(self, **switches) -> dict:
-        return self.call("POST", "/_test/config", switches)
-
-    def stats(self) -> dict:
-        return self.call("GET", "/_test/stats")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.proc.stdout.close()
 
 
 def parse_args(argv=None):

@@ -9,7 +9,7 @@ from pipelinerl_jax.models import save_pretrained
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
 from pipelinerl_jax.rollout.worker import RolloutWorker
 from pipelinerl_jax.run_config import base_config
-from pipelinerl_jax.testing.sglang_server import ServerProcess
+from pipelinerl_jax.testing.sglang_process import ServerProcess
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from tests.envs.conftest import (RANDOM_MODEL_STOPS, ToyTask, check_logps, check_token_exact,
                                  recording, toy_problem)

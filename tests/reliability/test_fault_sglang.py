@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipelinerl_jax.testing.sglang_server import ServerProcess
+from pipelinerl_jax.testing.sglang_process import ServerProcess
 from tests.reliability.reliability_testlib import (
     events, finish, logs, max_step, read_jsonl, start_train, stop, wait_for)
 

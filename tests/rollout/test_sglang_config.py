@@ -13,7 +13,7 @@ from flax import nnx
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.run_config import base_config, validate
 from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
-from pipelinerl_jax.testing.sglang_server import ServerProcess
+from pipelinerl_jax.testing.sglang_process import ServerProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

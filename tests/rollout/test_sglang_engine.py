@@ -13,7 +13,7 @@ from pipelinerl_jax.models import save_pretrained
 from pipelinerl_jax.rollout.engine import RequestError
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
 from pipelinerl_jax.rollout.sglang_protocol import version_of
-from pipelinerl_jax.testing.sglang_server import ServerProcess
+from pipelinerl_jax.testing.sglang_process import ServerProcess
 from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
 from tests.rollout.conftest import request
 

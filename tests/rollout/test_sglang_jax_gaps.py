@@ -7,7 +7,7 @@ import pytest
 
 from pipelinerl_jax.rollout.sglang_client import MissingEndpointError
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
-from pipelinerl_jax.testing.sglang_server import ServerProcess
+from pipelinerl_jax.testing.sglang_process import ServerProcess
 from tests.rollout.conftest import request
 
 FAST = dict(health_deadline_s=30.0, backoff_initial_s=0.01, backoff_max_s=0.05)
