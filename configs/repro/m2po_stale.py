@@ -4,13 +4,15 @@
     python experiments/ablate.py --config=configs/repro/m2po_stale.py --workdir=runs/staleness
     python experiments/ablate.py --config=configs/repro/m2po_stale.py:long --workdir=runs/staleness
     PYTHONPATH=. python scripts/repro_verdict.py --name=m2po_stale --results=runs/staleness
+    PYTHONPATH=. python scripts/repro_verdict.py --name=m2po_stale_long --results=runs/staleness
 
 Default: lag {0, 8, 32}, 60 steps, 3 seeds: exactly the staleness grid's `m2po` and `tis`
 cells (same names and configs), so in that grid's workdir every run is reused and nothing
 new runs. With lag = min(k, step), a 60-step run trains 28 steps at lag 32.
 `:long`: lag {0, 32, 64} over 160 steps (96 steps at lag 64; the learner keeps 64 old
 versions, a few MB at this model size), under an extra one-level axis `steps=160` so the
-run names differ from the 60-step grid's (a finished run of the same name is never rerun).
+run names differ from the 60-step grid's (a finished run of the same name is never rerun);
+its verdict and figure are `m2po_stale_long` (the `steps` label keeps the two apart).
 2 losses x 3 lags x 3 seeds = 18 runs either way.
 """
 from configs.ablate import staleness

@@ -52,13 +52,22 @@ def _tinker_arm(r: Run) -> Optional[str]:
     return "ppo" if name == "ppo" else None
 
 
-def _m2po_arm(r: Run) -> Optional[str]:
+def _m2po_arm(r: Run, long: bool = False) -> Optional[str]:
+    """m2po or capped tis, one minibatch; `long`: only the `:long` grid's runs (labelled
+    steps=N), else only runs without that axis (a 160-step run must not pool with, or
+    replace, the 60-step grid's run of the same loss, lag and seed)."""
     name = r.get("loss.name")
     if _minibatches(r) != 1 or name not in ("m2po", "tis"):
         return None
     if name == "tis" and _cap(r) >= UNCAPPED:
         return None
+    if ("steps" in (r.labels or {})) != long:
+        return None
     return name
+
+
+def _m2po_long_arm(r: Run) -> Optional[str]:
+    return _m2po_arm(r, long=True)
 
 
 def _decoupled_arm(r: Run) -> Optional[str]:
@@ -233,6 +242,11 @@ PHENOMENA = {
         "M2PO, arXiv 2510.01161",
         "M2PO trains stably with data >= 256 versions stale, matching on-policy accuracy; "
         "plain truncated IS degrades", _m2po_arm, measure_m2po),
+    "m2po_stale_long": Phenomenon(
+        "M2PO stays stable on very stale data; truncated IS degrades (lag 64, 160 steps)",
+        "M2PO, arXiv 2510.01161",
+        "M2PO trains stably with data >= 256 versions stale, matching on-policy accuracy; "
+        "plain truncated IS degrades", _m2po_long_arm, measure_m2po),
     "decoupled_ppo": Phenomenon(
         "Decoupled PPO (proximal policy) tolerates more staleness than PPO",
         "AReaL, arXiv 2505.24298",

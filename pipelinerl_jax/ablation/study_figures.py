@@ -137,9 +137,14 @@ def repro_m2po_stale(runs: Sequence[Run], out: str) -> dict:
     return _repro("m2po_stale", runs, out)
 
 
+def repro_m2po_stale_long(runs: Sequence[Run], out: str) -> dict:
+    return _repro("m2po_stale_long", runs, out)
+
+
 def repro_decoupled_ppo(runs: Sequence[Run], out: str) -> dict:
     return _repro("decoupled_ppo", runs, out)
 
 
 FIGURES = {"ess_vs_drop": ess_vs_drop, "repro_tinker_kl": repro_tinker_kl,
-           "repro_m2po_stale": repro_m2po_stale, "repro_decoupled_ppo": repro_decoupled_ppo}
+           "repro_m2po_stale": repro_m2po_stale, "repro_m2po_stale_long": repro_m2po_stale_long,
+           "repro_decoupled_ppo": repro_decoupled_ppo}

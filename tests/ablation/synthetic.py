@@ -116,6 +116,13 @@ def write_results(root):
                 write_run(os.path.join(runs, f"inj_{label}_{k}_s{seed}"), loss=loss,
                           injected=True, k=k, seed=seed, **extra,
                           labels={"loss": label, "lag": str(k), "seed": str(seed)})
+        # configs/repro/m2po_stale.py:long: its own axis (steps=16) keeps it apart.
+        for loss in ("m2po", "tis"):
+            for k in (0, 64):
+                write_run(os.path.join(runs, f"inj_{loss}_long_{k}_s{seed}"), loss=loss,
+                          injected=True, k=k, seed=seed, steps=16,
+                          labels={"loss": loss, "lag": str(k), "steps": "16",
+                                  "seed": str(seed)})
     bad = os.path.join(runs, "broken_run")
     os.makedirs(bad, exist_ok=True)
     with open(os.path.join(bad, "metrics.jsonl"), "w") as f:

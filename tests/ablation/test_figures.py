@@ -43,8 +43,12 @@ def test_script_draws_every_figure_and_names_bad_runs(results_dir, tmp_path):
     sva = facts["figures"]["sync_vs_async"]
     assert sva["speedup_to_target"] > 1.0
     assert set(facts["figures"]["lag_ablation"]["losses"]) == {
-        "reinforce", "tis", "tis_nocap", "ppo", "m2po", "dppo_mb4", "ppo_mb4"}
-    assert facts["figures"]["lag_ablation"]["lags"] == [0, 2, 3, 8, 32]
+        "reinforce", "tis", "tis_nocap", "ppo", "m2po", "dppo_mb4", "ppo_mb4",
+        "m2po (steps=16)", "tis (steps=16)"}
+    assert facts["figures"]["lag_ablation"]["lags"] == [0, 2, 3, 8, 32, 64]
+    # the :long grid's runs have their own figure and stay out of the 60-step one
+    assert all("lag 32" in c for c in facts["figures"]["repro_m2po_stale"]["claims"])
+    assert all("lag 64" in c for c in facts["figures"]["repro_m2po_stale_long"]["claims"])
 
 
 def test_figures_from_committed_tables(results_dir, tmp_path):
@@ -60,7 +64,8 @@ def test_figures_from_committed_tables(results_dir, tmp_path):
     assert skipped == {"occupancy_vs_sim"}, from_csv["figures"]
     assert from_csv["runs"] == from_runs["runs"]
     for name in ("lag_ablation", "diagnostics_by_lag", "ess_vs_drop", "sync_vs_async",
-                 "repro_tinker_kl", "repro_m2po_stale", "repro_decoupled_ppo", "kv_policy",
+                 "repro_tinker_kl", "repro_m2po_stale", "repro_m2po_stale_long",
+                 "repro_decoupled_ppo", "kv_policy",
                  "lengths_and_lag"):
         a, b = dict(from_csv["figures"][name]), dict(from_runs["figures"][name])
         a.pop("path"), b.pop("path")

@@ -15,9 +15,11 @@ import synthetic  # noqa: E402
 SEED_OFFSET = {0: -0.03, 1: 0.0, 2: 0.035}  # seed-to-seed spread larger than the effects
 
 
-def _run(root, label, loss, k, seed, drop=0.0, kl=(0.01, 0.01), ess=1.0, **extra):
+def _run(root, label, loss, k, seed, drop=0.0, kl=(0.01, 0.01), ess=1.0, axes=None, **extra):
     """A 40-step injected run: final accuracy 0.45 + the seed's offset - drop (+ tiny
-    noise), KL k3 from kl[0] to kl[1] after step k, stalest-bucket ESS `ess`."""
+    noise), KL k3 from kl[0] to kl[1] after step k, stalest-bucket ESS `ess`; `axes`: more
+    grid labels (e.g. {"steps": "160"})."""
+    axes = axes or {}
     noise = 0.006 * ((zlib.crc32(f"{label},{k},{seed}".encode()) % 1001) / 500 - 1)
 
     def acc(s):
@@ -27,10 +29,11 @@ def _run(root, label, loss, k, seed, drop=0.0, kl=(0.01, 0.01), ess=1.0, **extra
         f = min(max(s - k, 0) / (40 - k), 1.0)
         return kl[0] * (kl[1] / kl[0]) ** f
 
-    synthetic.write_run(os.path.join(root, "runs", f"{label}_{k}_{seed}"), loss=loss,
+    tag = "".join(f"_{a}{b}" for a, b in sorted(axes.items()))
+    synthetic.write_run(os.path.join(root, "runs", f"{label}{tag}_{k}_{seed}"), loss=loss,
                         injected=True, k=k, seed=seed, steps=40, acc_fn=acc, kl_fn=klf,
                         ess_fn=lambda s: ess, **extra,
-                        labels={"loss": label, "lag": str(k), "seed": str(seed)})
+                        labels={"loss": label, "lag": str(k), "seed": str(seed), **axes})
 
 
 def _tables(tmp_path, arms):
@@ -79,6 +82,19 @@ def test_m2po_and_decoupled_verdicts(tmp_path):
         ("m2po", "m2po", {0: {}, 32: dict(drop=0.06)}, {}),
         ("tis", "tis", {0: {}, 32: dict(drop=0.06)}, {})])
     assert _verdict("m2po_stale", folder)["verdict"] == "partly"
+    # The :long grid (its own `steps` axis) is judged on its own and leaves the other alone:
+    # before, its 160-step runs pooled with (and replaced) the 60-step runs of the same
+    # loss, lag and seed.
+    long = {"axes": {"steps": "160"}}
+    folder = _tables(tmp_path / "m2po_long", [
+        ("m2po", "m2po", {0: {}, 32: dict(drop=0.005)}, {}),
+        ("tis", "tis", {0: {}, 32: dict(drop=0.06)}, {}),
+        ("m2po", "m2po", {0: long, 64: dict(drop=0.06, **long)}, {}),
+        ("tis", "tis", {0: long, 64: dict(drop=0.06, **long)}, {})])
+    v = _verdict("m2po_stale", folder)
+    assert v["verdict"] == "reproduced" and v["lag"] == 32
+    v = _verdict("m2po_stale_long", folder)
+    assert v["verdict"] == "partly" and v["lag"] == 64, repro.verdict_text(v)
 
     dec = {0: {}, 2: {}, 4: {}, 8: {}, 16: dict(drop=0.05)}
     ppo = {0: {}, 2: dict(drop=0.04), 4: dict(drop=0.05), 8: dict(drop=0.06),
@@ -140,5 +156,5 @@ def test_scripts_on_committed_tables(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]  # tinker and decoupled cells missing
     assert "verdict: reproduced" in done.stdout  # m2po_stale
-    assert done.stdout.count("insufficient data") == 2
+    assert done.stdout.count("insufficient data") == 3  # + m2po_stale_long
     assert (tmp_path / "rf" / "repro_m2po_stale.png").exists()
