@@ -36,13 +36,17 @@ def _timeit(fn, *args, repeats=5, best=False):
     return times[0] if best else times[len(times) // 2]
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
-    """The peak: the best of `repeats` (a median of 5 read 124 GFLOP/s on 2026-11-29 where the
-    best of 10 reads ~375 on a quiet machine)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    return 2 * n**3 / _timeit(f, a, b, repeats=repeats, best=True) / 1e9
+_matmul = jax.jit(lambda x, y: x @ y)  # one jitted function: repeated calls never retrace
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 10, dtype=jnp.float32) -> float:
+    """The matmul peak on the default device, n x n x n in `dtype`: the best of `repeats` (a
+    median of 5 read 124 GFLOP/s on 2026-11-29 where the best of 10 reads ~375 on a quiet
+    machine). scripts/bench_real_size.py and bench_pipeline.py measure their peaks with it."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    return 2 * n**3 / _timeit(_matmul, a, b, repeats=repeats, best=True) / 1e9
+
 
 
 def bench_model(cfg, batch: int, seq: int, peak_gflops: float, repeats: int) -> dict:

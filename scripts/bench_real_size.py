@@ -31,6 +31,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 import argparse  # noqa: E402 - XLA_FLAGS must precede the JAX import
 import json  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
@@ -38,6 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from pipelinerl_jax import sharding  # noqa: E402
 from pipelinerl_jax.learner import batching, train_step as ts  # noqa: E402
@@ -49,6 +52,7 @@ from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.run_config import optimizer_config  # noqa: E402
 from pipelinerl_jax.types import GenerationRequest, Rollout, SamplingParams  # noqa: E402
+from scripts.bench_model import matmul_gflops  # noqa: E402
 
 
 
@@ -63,13 +67,11 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def measured_peaks(n: int, repeats: int, dtype, copy_bytes: int) -> dict:
-    """Matmul FLOP/s in `dtype` (n x n x n) and copy bandwidth (bytes read + written of a
-    `copy_bytes` array, past the caches) on device 0: the best of `repeats` runs (a peak is
-    what the hardware can reach; a median of 3 on this shared 2-core VM read 123-343 GFLOP/s
-    in runs minutes apart, 2026-12-01)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
-    mm = jax.jit(lambda x, y: x @ y)
-    flops = 2 * n ** 3 / _best_time(lambda: mm(a, a), repeats)
+    """Matmul FLOP/s in `dtype` (n x n x n, `bench_model.matmul_gflops`) and copy bandwidth
+    (bytes read + written of a `copy_bytes` array, past the caches) on device 0: the best of
+    `repeats` runs (a peak is what the hardware can reach; a median of 3 on this shared 2-core
+    VM read 123-343 GFLOP/s in runs minutes apart, 2026-12-01)."""
+    flops = matmul_gflops(n, repeats, dtype) * 1e9
     big = jnp.ones(copy_bytes // 4, jnp.float32)
     cp = jax.jit(lambda x: x * 1.0001)
     bw = 2 * big.nbytes / _best_time(lambda: cp(big), repeats)
@@ -126,8 +128,7 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, first_peak: float) -> dict:
     scale = 1 if jax.default_backend() == "cpu" else mesh.size
     times, peaks = [], []
     for _ in range(a.steps):
-        peaks.append(scale * measured_peaks(a.matmul_n, 5, dtype_of(a.dtype),
-                                            1 << 20)["matmul_gflops"])
+        peaks.append(scale * matmul_gflops(a.matmul_n, 5, dtype_of(a.dtype)))
         t = time.perf_counter()
         state, metrics = compiled(state, batch, step.hparams)
         jax.block_until_ready(metrics)
