@@ -32,6 +32,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from pipelinerl_jax.testing import sglang_jax as sj  # noqa: E402
+from pipelinerl_jax.testing import sglang_jax_checks as checks  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     log(f"server interpreter {python}: {vers}; workdir {workdir}")
     ckpt = os.path.join(workdir, "tiny-qwen2")
     model = sj.write_checkpoint(ckpt)
-    conf = sj.Conformance(sj.Reference(model), log=log)
+    conf = checks.Conformance(sj.Reference(model), log=log)
 
     servers = []
 
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     counts = {v: sum(r.verdict == v for r in conf.rows) for v in ("ok", "gap", "FAIL", "skip")}
     result = {"passed": counts["FAIL"] == 0, **counts, **vers,
               "server_args": list(servers[0].args + servers[0].extra),
-              "max_logprob_abs_diff": conf.max_logp_diff, "logprob_tol": sj.LOGP_TOL,
+              "max_logprob_abs_diff": conf.max_logp_diff, "logprob_tol": checks.LOGP_TOL,
               "startup_s": [round(t, 1) for s in servers for t in s.startup_s],
               "wall_s": round(time.monotonic() - t_start, 1),
               "checks": {r.name: r.verdict for r in conf.rows}}

@@ -11,6 +11,7 @@ import os
 import pytest
 
 from pipelinerl_jax.testing import sglang_jax as sj
+from pipelinerl_jax.testing import sglang_jax_checks as checks
 
 pytestmark = [pytest.mark.sglang_real,
               pytest.mark.skipif(not os.environ.get(sj.ENV_PYTHON),
@@ -21,7 +22,7 @@ pytestmark = [pytest.mark.sglang_real,
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-jax")
     ckpt = str(root / "tiny-qwen2")
-    conf = sj.Conformance(sj.Reference(sj.write_checkpoint(ckpt)))
+    conf = checks.Conformance(sj.Reference(sj.write_checkpoint(ckpt)))
     python = sj.server_python()
     servers = [sj.RealServer(python, ckpt, str(root))]
     try:
@@ -58,7 +59,7 @@ def test_generation_matches_our_model(setup):
     rows = rows_of(conf, conf.check_generation, a.url) + rows_of(conf, conf.check_stop, a.url)
     rows += rows_of(conf, conf.check_stress, a.url, 3)
     assert_conforms(rows)
-    assert conf.max_logp_diff < sj.LOGP_TOL
+    assert conf.max_logp_diff < checks.LOGP_TOL
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
