@@ -4,14 +4,15 @@
   PYTHONPATH=. python scripts/export_results.py --results=runs/repro_tinker,runs/repro_dppo \
       --out=results/repro
   PYTHONPATH=. python scripts/export_results.py --results=runs/sb --out=results/sampler_bound \
-      --raw_run='schedule=sync128,seed=0' --raw_run='schedule=async2,seed=0'
+      --raw_run='schedule=sync,seed=0' --raw_run='schedule=async2,seed=0'
 
 steps.csv keeps, per run and step, the metrics every figure drawn from step metrics needs
 (results.STEP_COLUMNS and the per-lag-bucket tokens, ESS, clip fraction and KL k3, blank where
 a bucket has no tokens) at 6 significant digits; histograms, per-sample lists and the rest
 of metrics.jsonl stay in the run directories, except for the runs named by --raw_run, whose
-raw logs are copied to OUT/raw/<name>/ (the simulator calibrates from them). scripts/reproduce_figures.py,
-scripts/staleness_report.py and scripts/repro_verdict.py read the folder like a grid.
+raw logs are copied to OUT/raw/<name>/ (the simulator calibrates from them).
+scripts/reproduce_figures.py, scripts/staleness_report.py and scripts/repro_verdict.py read
+the folder like a grid.
 """
 import json
 import os
