@@ -68,11 +68,10 @@ def tis(x: Prepared, cap: float, level: str) -> Terms:
     return Terms(ell=-weight * x.adv * x.logp, clip_high=log_rho > log_cap)
 
 
-def clip_range(eps_low, eps_high, scale=1.0):
-    """(1 - eps_low·scale, 1 + eps_high·scale) in float32, the same arithmetic for every loss
-    so that staleness_clip at lag 0 reproduces ppo bit for bit."""
+def clip_range(eps_low, eps_high):
+    """(1 - eps_low, 1 + eps_high) in float32, the same arithmetic for every loss."""
     one = jnp.float32(1.0)
-    return (one - jnp.float32(eps_low) * scale, one + jnp.float32(eps_high) * scale)
+    return (one - jnp.float32(eps_low), one + jnp.float32(eps_high))
 
 
 def _behaviour_weight(x: Prepared) -> Array:
@@ -116,26 +115,49 @@ def icepop(x: Prepared, eps_low: float, eps_high: float, band_low: float,
     return terms._replace(masked=~in_band)
 
 
-def staleness_clip(x: Prepared, eps_low: float, eps_high: float, schedule: str, alpha: float,
-                   max_lag: Optional[int]) -> Terms:
-    """Decoupled PPO whose clip range shrinks with the token's policy lag: eps(lag) = eps·s(lag),
-    s = 1/(1+alpha·lag) ('inverse'), alpha^lag ('exp') or 1 ('constant'); tokens with
-    lag > max_lag are excluded from the numerator *and* the normaliser. The idea of trusting stale
-    samples less is the staleness-aware clipping of asynchronous RL systems (e.g. AReaL's
-    staleness control, Fu et al. 2025; M2PO's analysis, 2025); with no proximal policy and at
-    lag 0 this is exactly `ppo`."""
-    lag = x.lag.astype(jnp.float32)
+def lag_scale(lag: Array, schedule: str, alpha) -> Array:
+    """s(lag) ∈ (0, 1], 1 at lag 0: 1/(1+alpha·lag) ('inverse'), alpha^lag ('exp'), 1 ('constant')."""
+    lag = lag.astype(jnp.float32)
     if schedule == "inverse":
-        scale = 1.0 / (1.0 + alpha * lag)
-    elif schedule == "exp":
-        scale = jnp.power(jnp.float32(alpha), lag)
-    else:
-        scale = jnp.ones_like(lag)
-    weight = _behaviour_weight(x) if x.has_proximal else None
-    terms = _decoupled(x, *clip_range(eps_low, eps_high, scale), weight)
-    if max_lag is None:
+        return 1.0 / (1.0 + alpha * lag)
+    if schedule == "exp":
+        return jnp.power(jnp.float32(alpha), lag)
+    return jnp.ones_like(lag)
+
+
+def staleness_clip(x: Prepared, eps_low: float, eps_high: float, cap: float, schedule: str,
+                   alpha: float, lag_cutoff: Optional[int]) -> Terms:
+    """Decoupled PPO whose behaviour-side trust region tightens with each token's lag.
+
+    The behaviour weight w = π_prox/μ (π_θ/μ, held fixed, without a proximal policy) is
+    truncated at a cap that falls with the token's lag from `cap` towards 1:
+        c(lag) = 1 + (cap - 1)·s(lag),   w' = min(w, c(lag)),
+        ℓ = -sg(w')·min(r·A, clip(r, 1-eps_low, 1+eps_high)·A),   r = π_θ/π_prox.
+    Truncated importance weights (IMPALA's ρ̄, Espeholt et al. 2018) trade the bias of the cap
+    for a variance bounded by it; the spread of w grows with the drift between μ and π, which
+    grows with lag, so a fixed cap lets stale tokens carry more variance. Tightening the cap
+    with lag bounds that (the second-moment argument of M2PO, 2025, applied per token through
+    the cap; the 1/(1+alpha·lag) form is staleness-aware async SGD's step scaling, Zhang et
+    al. 2016). At large lag no token is up-weighted (c → 1, V-trace's ρ̄ = 1). The proximal
+    ratio keeps its usual clip. Without a proximal policy the current one (held fixed) stands
+    in for it, so r is 1 in value and this is token-level TIS with the lag-dependent cap —
+    which is also what the learner runs at minibatches=1, where π_prox = π_θ. Tokens with
+    lag > lag_cutoff get ℓ = 0 and leave the normaliser. docs/losses.md derives it.
+    """
+    logp_prox = x.logp_old if x.has_proximal else sg(x.logp)
+    w = jnp.exp(jnp.clip(logp_prox - x.logp_mu, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    bound = 1.0 + (jnp.float32(cap) - 1.0) * lag_scale(x.lag, schedule, alpha)
+    capped = w > bound
+    r = ratio(x.logp - logp_prox)
+    lo, hi = clip_range(eps_low, eps_high)
+    ell = sg(jnp.minimum(w, bound)) * clipped_surrogate(r, x.adv, lo, hi)
+    n = jnp.maximum(jnp.sum(x.trained), 1)
+    metrics = {"staleness_cap_frac": jnp.sum(capped & x.trained) / n,
+               "staleness_cap_mean": jnp.sum(jnp.where(x.trained, bound, 0.0)) / n}
+    terms = Terms(ell=ell, clip_low=r < lo, clip_high=(r > hi) | capped, metrics=metrics)
+    if lag_cutoff is None:
         return terms
-    excluded = x.lag > max_lag
+    excluded = x.lag > lag_cutoff
     return terms._replace(norm=jnp.where(excluded, 0.0, x.m), masked=excluded)
 
 
@@ -231,16 +253,70 @@ def m2po_keep(d2: Array, trained: Array, tau: float) -> Array:
     return lax.cond(mean_exceeds, drop_some, lambda _: trained, None)
 
 
-def m2po(x: Prepared, tau: float) -> Terms:
-    """M2PO (second-moment trust policy optimisation, 2025): bound the second moment of the
-    log-ratio to the behaviour policy instead of clipping each ratio. With d = sg(log π_θ -
-    log μ), drop (mask) the fewest tokens of largest d² so that the mean d² of the kept tokens M
-    is ≤ tau; ℓ = -M·(π_θ/μ)·A."""
+def m2po_clip_bound(d2: Array, harmful: Array, tau) -> Array:
+    """θ with mean over the harmful tokens of min(d², θ) = tau (+inf when their mean d² is
+    already ≤ tau): the cap on d² that spends exactly the second-moment budget.
+
+    Bisection over the int32 bit patterns of non-negative float32 θ (they order like the
+    floats), 31 passes at most, each a fused masked sum; Σ min(d², θ) grows with θ."""
+    tau = jnp.float32(tau)
+    n = jnp.maximum(jnp.sum(harmful), 1).astype(jnp.float32)
+    d2 = jnp.where(harmful, jnp.maximum(d2, 0.0), 0.0)
+
+    def excess(theta_bits):
+        theta = lax.bitcast_convert_type(theta_bits, jnp.float32)
+        return jnp.sum(jnp.where(harmful, jnp.minimum(d2, theta), 0.0)) / n - tau
+
+    def solve(_):
+        def step(bounds):
+            lo, hi = bounds  # excess(lo) <= 0 < excess(hi)
+            mid = lo + (hi - lo) // 2
+            ok = excess(mid) <= 0
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+        top = lax.bitcast_convert_type(jnp.max(d2), jnp.int32)
+        lo, _ = lax.while_loop(lambda b: b[1] - b[0] > 1, step, (jnp.int32(0), top))
+        return lax.bitcast_convert_type(lo, jnp.float32)
+
+    over = jnp.sum(d2) / n > tau
+    return lax.cond(over, solve, lambda _: jnp.float32(jnp.inf), None)
+
+
+def m2po(x: Prepared, tau: float, form: str, floor_low: float, floor_high: float) -> Terms:
+    """M2PO (second-moment trust policy optimisation, Zheng et al. 2025): bound the second
+    moment of the log-ratio to the behaviour policy, d = sg(log π_θ - log μ), instead of
+    clipping each ratio. Two forms:
+
+    'paper' (the paper's text): drop (mask) the fewest tokens of largest d² so that the mean d²
+    of the kept tokens M is ≤ tau; ℓ = -M·(π_θ/μ)·A.
+
+    'released' (the authors' released code): the second moment is taken only over *harmful*
+    tokens, whose ratio ρ = π_θ/μ moves against the advantage (A > 0 and ρ > 1, or A < 0 and
+    ρ < 1). If their mean d² exceeds tau, a cap θ on d² that brings it to tau is found and
+    turned into one PPO clip range for the batch, [e^-√θ, e^√θ], which never tightens below
+    the floor [1 - floor_low, 1 + floor_high]: ℓ = -min(ρ·A, clip(ρ, lo, hi)·A). Within budget
+    nothing is clipped (ℓ = -ρ·A)."""
     d = sg(x.logp - x.logp_mu)
+    n = jnp.maximum(jnp.sum(x.trained), 1)
+    d2_mean = jnp.sum(jnp.where(x.trained, d * d, 0.0)) / n
+    if form == "released":
+        rho = ratio(x.logp - x.logp_mu)
+        harmful = x.trained & (((x.adv > 0) & (d > 0)) | ((x.adv < 0) & (d < 0)))
+        theta = m2po_clip_bound(d * d, harmful, tau)
+        half = jnp.sqrt(theta)
+        lo = jnp.minimum(jnp.exp(-half), 1.0 - jnp.float32(floor_low))
+        hi = jnp.maximum(jnp.exp(half), 1.0 + jnp.float32(floor_high))
+        ell = clipped_surrogate(rho, x.adv, lo, hi)
+        n_harm = jnp.maximum(jnp.sum(harmful), 1)
+        return Terms(ell=ell, clip_low=rho < lo, clip_high=rho > hi,
+                     metrics={"m2po_d2_mean": d2_mean,
+                              "m2po_d2_mean_harmful": jnp.sum(jnp.where(harmful, d * d, 0.0))
+                              / n_harm,
+                              "m2po_clip_low": lo,
+                              "m2po_clip_high": jnp.minimum(hi, jnp.float32(1e6))})
     keep = m2po_keep(d * d, x.trained, tau)
     ell = -jnp.where(keep, ratio(x.logp - x.logp_mu), 0.0) * x.adv
-    n = jnp.maximum(jnp.sum(x.trained), 1)
     return Terms(ell=ell, masked=~keep,
-                 metrics={"m2po_d2_mean": jnp.sum(jnp.where(x.trained, d * d, 0.0)) / n,
+                 metrics={"m2po_d2_mean": d2_mean,
                           "m2po_d2_mean_kept": jnp.sum(jnp.where(keep, d * d, 0.0))
                           / jnp.maximum(jnp.sum(keep), 1)})

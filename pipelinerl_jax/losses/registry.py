@@ -86,9 +86,12 @@ LOSSES = {
         "band_high": HParam(5.0, float, _number(1))}, proximal=True),
     "staleness_clip": LossSpec(policy.staleness_clip, {
         "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
+        # The behaviour weight's cap at lag 0; it falls towards 1 with lag (>= 1: an
+        # on-policy token, w = 1, is never cut).
+        "cap": HParam(2.0, float, _number(1)),
         "schedule": HParam("inverse", str, _choice(("inverse", "exp", "constant"))),
         "alpha": HParam(0.5, float, _number(0)),
-        "max_lag": HParam(None, int, _number(0, optional=True, integer=True))},
+        "lag_cutoff": HParam(None, int, _number(0, optional=True, integer=True))},
         proximal=True),
     "cispo": LossSpec(policy.cispo, {
         "eps_low": HParam(None, float, _number(0, 1, hi_open=True, optional=True)),
@@ -96,7 +99,12 @@ LOSSES = {
     "gspo": LossSpec(policy.gspo, {
         "eps_low": HParam(3e-4, float, _number(0, 1, hi_open=True)),
         "eps_high": HParam(4e-4, float, _number(0))}, aggregated=False),
-    "m2po": LossSpec(policy.m2po, {"tau": HParam(0.04, float, _number(0, lo_open=True))}),
+    "m2po": LossSpec(policy.m2po, {
+        "tau": HParam(0.04, float, _number(0, lo_open=True)),
+        "form": HParam("paper", str, _choice(("paper", "released"))),
+        # The released code's floor on its clip range (its miniclip_low / miniclip_high).
+        "floor_low": HParam(0.3, float, _number(0, 1)),
+        "floor_high": HParam(0.5, float, _number(0))}),
 }
 
 AGG_HPARAMS = {
@@ -144,8 +152,9 @@ def resolve_hparams(name: str, **hparams) -> dict:
             raise ConfigError("loss.max_tokens", f"is only used with agg='constant', "
                                                  f"not agg={hp['agg']!r}")
     if name == "staleness_clip" and hp["schedule"] == "exp" and hp["alpha"] > 1:
-        raise ConfigError("loss.alpha", f"schedule='exp' scales eps by alpha^lag and needs "
-                                        f"0 <= alpha <= 1, got {hp['alpha']!r}")
+        raise ConfigError("loss.alpha", f"schedule='exp' scales the cap's excess over 1 by "
+                                        f"alpha^lag and needs 0 <= alpha <= 1, got "
+                                        f"{hp['alpha']!r}")
     return hp
 
 

@@ -18,11 +18,11 @@ DEFAULTS = {
     "tis": {"cap": 2.0, "level": "token"},
     "decoupled_ppo": {"eps_low": 0.2, "eps_high": 0.2, "behave_cap": None},
     "icepop": {"eps_low": 0.2, "eps_high": 0.2, "band_low": 0.5, "band_high": 5.0},
-    "staleness_clip": {"eps_low": 0.2, "eps_high": 0.2, "schedule": "inverse", "alpha": 0.5,
-                       "max_lag": None},
+    "staleness_clip": {"eps_low": 0.2, "eps_high": 0.2, "cap": 2.0, "schedule": "inverse",
+                       "alpha": 0.5, "lag_cutoff": None},
     "cispo": {"eps_low": None, "eps_high": 5.0},
     "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},
-    "m2po": {"tau": 0.04},
+    "m2po": {"tau": 0.04, "form": "paper", "floor_low": 0.3, "floor_high": 0.5},
 }
 
 
@@ -50,6 +50,21 @@ def _m2po_keep(d2, trained, tau):
     return flat.reshape(trained.shape)
 
 
+def _m2po_cap(d2, harmful, tau):
+    """The exact θ with mean over harmful tokens of min(d², θ) = tau (inf if within budget)."""
+    v = np.sort(d2[harmful])
+    n = len(v)
+    if n == 0 or v.mean() <= tau:
+        return np.inf
+    below = 0.0
+    for k in range(n):  # θ in [v[k-1], v[k]]: Σ_{i<k} v_i + (n-k)·θ = tau·n
+        theta = (tau * n - below) / (n - k)
+        if theta <= v[k]:
+            return theta
+        below += v[k]
+    return np.inf
+
+
 def _coefficients(norm, agg, max_tokens):
     """c with loss = Σ c·ℓ for aggregation `agg` over the normaliser mask `norm`."""
     if agg == "token_mean":
@@ -65,7 +80,7 @@ def _coefficients(norm, agg, max_tokens):
     raise ValueError(agg)
 
 
-def terms(name, hp, logp, frozen, mu, old, adv, m, lag):
+def terms(name, hp, logp, frozen, mu, old, adv, m, lag, has_proximal=True):
     """(ℓ, dℓ/dlogp, normaliser) per token for the token-level losses."""
     t = m > 0
     norm = m.copy()
@@ -85,27 +100,39 @@ def terms(name, hp, logp, frozen, mu, old, adv, m, lag):
             log_rho = np.repeat((m * log_rho).sum(axis=1, keepdims=True), logp.shape[1], 1)
         weight = np.minimum(np.exp(log_rho), hp["cap"])
         return -weight * adv * logp, -weight * adv, norm
-    if name in ("decoupled_ppo", "icepop", "staleness_clip"):
+    if name == "staleness_clip":
+        # Without a proximal policy the current one, held fixed, stands in for it.
+        prox = old if has_proximal else frozen
+        s = {"inverse": 1.0 / (1.0 + hp["alpha"] * lag),
+             "exp": hp["alpha"] ** lag.astype(float),
+             "constant": np.ones_like(logp)}[hp["schedule"]]
+        w = np.minimum(np.exp(prox - mu), 1.0 + (hp["cap"] - 1.0) * s)
+        if hp["lag_cutoff"] is not None:
+            norm = np.where(lag > hp["lag_cutoff"], 0.0, m)
+        ell, dell = _ppo_token(np.exp(logp - prox), adv, 1 - hp["eps_low"], 1 + hp["eps_high"])
+        return w * ell, w * dell, norm
+    if name in ("decoupled_ppo", "icepop"):
         w = np.exp(old - mu)
-        scale = np.ones_like(logp)
         if name == "decoupled_ppo" and hp["behave_cap"] is not None:
             w = np.minimum(w, hp["behave_cap"])
         if name == "icepop":
             w = np.where((w >= hp["band_low"]) & (w <= hp["band_high"]), w, 0.0)
-        if name == "staleness_clip":
-            scale = {"inverse": 1.0 / (1.0 + hp["alpha"] * lag),
-                     "exp": hp["alpha"] ** lag.astype(float),
-                     "constant": np.ones_like(logp)}[hp["schedule"]]
-            if hp["max_lag"] is not None:
-                norm = np.where(lag > hp["max_lag"], 0.0, m)
         r = np.exp(logp - old)
-        ell, dell = _ppo_token(r, adv, 1 - hp["eps_low"] * scale, 1 + hp["eps_high"] * scale)
+        ell, dell = _ppo_token(r, adv, 1 - hp["eps_low"], 1 + hp["eps_high"])
         return w * ell, w * dell, norm
     if name == "cispo":
         r = np.exp(frozen - old)
         lo = -np.inf if hp["eps_low"] is None else 1 - hp["eps_low"]
         weight = np.clip(r, lo, 1 + hp["eps_high"])
         return -weight * adv * logp, -weight * adv, norm
+    if name == "m2po" and hp["form"] == "released":
+        d = frozen - mu
+        harmful = t & (((adv > 0) & (d > 0)) | ((adv < 0) & (d < 0)))
+        half = np.sqrt(_m2po_cap(d * d, harmful, hp["tau"]))
+        lo = min(np.exp(-half), 1 - hp["floor_low"])
+        hi = max(np.exp(half), 1 + hp["floor_high"])
+        ell, dell = _ppo_token(np.exp(logp - mu), adv, lo, hi)
+        return ell, dell, norm
     if name == "m2po":
         d = frozen - mu
         keep = _m2po_keep(np.where(t, d * d, 0.0), t, hp["tau"]).astype(float)
@@ -160,7 +187,8 @@ def loss_and_grad(name, hparams, inputs, frozen=None):
         loss, grad = gspo(hp, logp, old, adv, m)
         norm, agg = m, "seq_mean_token_mean"
     else:
-        ell, dell, norm = terms(name, hp, logp, frozen, mu, old, adv, m, lag)
+        ell, dell, norm = terms(name, hp, logp, frozen, mu, old, adv, m, lag,
+                                has_proximal=f64["logp_proximal"] is not None)
         c = _coefficients(norm, agg, max_tokens)
         loss, grad = (c * ell).sum(), c * dell
     if inputs.get("logp_ref") is not None and hparams.get("kl_coef", 0.0) > 0:

@@ -41,10 +41,14 @@ def test_unknown_hyperparameter_lists_the_valid_ones():
     ("icepop", {"band_high": 0.9}, "loss.band_high"),
     ("staleness_clip", {"schedule": "linear"}, "loss.schedule"),
     ("staleness_clip", {"schedule": "exp", "alpha": 2.0}, "loss.alpha"),
-    ("staleness_clip", {"max_lag": 2.5}, "loss.max_lag"),
-    ("staleness_clip", {"max_lag": -1}, "loss.max_lag"),
+    ("staleness_clip", {"lag_cutoff": 2.5}, "loss.lag_cutoff"),
+    ("staleness_clip", {"lag_cutoff": -1}, "loss.lag_cutoff"),
+    ("staleness_clip", {"cap": 0.9}, "loss.cap"),
+    ("staleness_clip", {"max_lag": 4}, "loss.max_lag"),  # renamed lag_cutoff: refused by name
     ("cispo", {"eps_low": 1.2}, "loss.eps_low"),
     ("m2po", {"tau": 0.0}, "loss.tau"),
+    ("m2po", {"form": "code"}, "loss.form"),
+    ("m2po", {"floor_low": 1.5}, "loss.floor_low"),
     ("reinforce", {"agg": "mean"}, "loss.agg"),
     ("reinforce", {"agg": "constant"}, "loss.max_tokens"),
     ("reinforce", {"max_tokens": 128}, "loss.max_tokens"),
@@ -69,8 +73,10 @@ def test_defaults_are_the_spec():
                                         "kl_estimator": "k3"}
     assert get_loss("m2po").hparams["tau"] == 0.04
     staleness = get_loss("staleness_clip").hparams
-    assert (staleness["schedule"], staleness["alpha"], staleness["max_lag"]) == ("inverse", 0.5,
-                                                                                   None)
+    assert (staleness["cap"], staleness["schedule"], staleness["alpha"],
+            staleness["lag_cutoff"]) == (2.0, "inverse", 0.5, None)
+    m2po = get_loss("m2po").hparams
+    assert (m2po["form"], m2po["floor_low"], m2po["floor_high"]) == ("paper", 0.3, 0.5)
     icepop = get_loss("icepop").hparams
     assert (icepop["band_low"], icepop["band_high"]) == (0.5, 5.0)
 
@@ -95,13 +101,18 @@ def test_a_loss_declares_whether_it_uses_the_proximal_policy():
         needs_proximal("tiss")
 
 
-def test_the_staleness_ablation_runs_every_registered_loss_in_registry_order():
+def test_the_staleness_ablation_runs_every_registered_loss_with_its_defaults():
+    """A loss added to the registry joins the grid as an arm of its own name with its
+    defaults (plus m2po's other form), so every arm builds a distinct loss."""
     from configs.ablate import staleness
     c = staleness.get_config()
-    assert tuple(c.axes.loss.order) == tuple(LOSSES) == (
-        "reinforce", "ppo", "tis", "decoupled_ppo", "icepop", "staleness_clip", "cispo",
-        "gspo", "m2po")
-    assert all(c.axes.loss.levels[n].loss.name == n for n in LOSSES)
+    arms = {label: c.axes.loss.levels[label].loss for label in c.axes.loss.order}
+    assert set(LOSSES) <= set(arms)
+    assert all(arms[n].to_dict() == {"name": n} for n in LOSSES)
+    assert arms["m2po_released"].to_dict() == {"name": "m2po", "form": "released"}
+    built = [tuple(sorted(get_loss(**a.to_dict()).hparams.items())) + (a.name,)
+             for a in arms.values()]
+    assert len(set(built)) == len(built)
 
 
 def test_config_hyperparameter_of_another_loss_fails_naming_it():
@@ -160,10 +171,11 @@ def test_command_line_overrides_reach_the_loss(config_file):
                                                                      512)
     assert cfg.advantage.estimator == "rloo" and cfg.advantage.overlong_buffer == 64
 
-    cfg = _parse(config_file, "--config.loss.name=staleness_clip", "--config.loss.max_lag=4",
+    cfg = _parse(config_file, "--config.loss.name=staleness_clip", "--config.loss.lag_cutoff=4",
                  "--config.loss.schedule=exp", "--config.loss.alpha=0.7")
     hp = loss_from_config(cfg.loss).hparams
-    assert (hp["max_lag"], hp["schedule"], hp["alpha"], hp["eps_low"]) == (4, "exp", 0.7, 0.2)
+    assert (hp["lag_cutoff"], hp["schedule"], hp["alpha"], hp["eps_low"]) == (4, "exp", 0.7,
+                                                                              0.2)
 
 
 def test_command_line_mistakes_fail(config_file):

@@ -32,18 +32,38 @@ def test_on_policy_gradient_is_the_policy_gradient(proximal):
         np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
-def test_staleness_clip_at_lag_zero_is_ppo_exactly():
-    inputs = make_inputs(seed=11, proximal=False)
-    inputs["lag"] = np.zeros_like(inputs["lag"])
-    hp = {"eps_low": 0.1, "eps_high": 0.28}
-    loss_ppo, _, grad_ppo = run("ppo", inputs, **hp)
-    for schedule in ("inverse", "exp", "constant"):
-        loss, _, grad = run("staleness_clip", inputs, schedule=schedule, **hp)
-        assert loss == loss_ppo
-        np.testing.assert_array_equal(grad, grad_ppo)
-    # ... and at positive lags it clips harder, so it is not ppo there.
+def test_staleness_clip_caps_stale_behaviour_weights_where_decoupled_ppo_does_not():
+    """At the learner's minibatches=1 the proximal policy is the current one (r = 1): there
+    decoupled_ppo is uncapped IS against μ, while staleness_clip caps each token's weight at
+    1 + (cap-1)·s(lag), so the two differ as soon as a stale token's weight passes its cap."""
+    inputs = make_inputs(seed=11, extras=True)  # extras: the pytree other tests compile for
+    inputs["logp_proximal"] = inputs["logp"].copy()  # what the train step does at minibatches=1
     inputs["lag"] = np.full_like(inputs["lag"], 4)
-    assert run("staleness_clip", inputs, **hp)[0] != run("ppo", inputs, **hp)[0]
+    w = np.exp(inputs["logp"] - inputs["logp_behaviour"])
+    trained = inputs["loss_mask"] > 0
+    assert (w[trained] > 1 + 1 / 3).any()  # cap at lag 4: 1 + 1/(1+0.5·4)
+    loss_d, metrics_d, grad_d = run("decoupled_ppo", inputs, diagnostics=True)
+    loss_s, metrics_s, grad_s = run("staleness_clip", inputs, diagnostics=True)
+    assert not np.allclose(grad_s, grad_d)
+    assert float(metrics_s["clip_frac"]) > 0 and float(metrics_d["clip_frac"]) == 0
+    # The capped weight is exactly the bound: the gradient of a capped token is the bound
+    # times reinforce's, uncapped tokens keep decoupled_ppo's.
+    _, _, grad_r = run("reinforce", inputs)
+    capped = trained & (w > 1 + 1 / 3)
+    np.testing.assert_allclose(grad_s[capped], (1 + 1 / 3) * grad_r[capped], rtol=1e-5)
+    np.testing.assert_allclose(grad_s[trained & ~capped], grad_d[trained & ~capped], rtol=1e-5)
+    # Staler tokens get a tighter cap, so (weights above every cap) less weight.
+    inputs["lag"] = np.full_like(inputs["lag"], 16)
+    _, _, grad_16 = run("staleness_clip", inputs)
+    assert np.abs(grad_16).sum() < np.abs(grad_s).sum()
+
+
+def test_staleness_clip_without_proximal_is_tis_with_the_lag_cap():
+    inputs = make_inputs(seed=12, proximal=False)
+    inputs["lag"] = np.zeros_like(inputs["lag"])
+    loss_s, _, grad_s = run("staleness_clip", inputs, cap=1.7)
+    loss_t, _, grad_t = run("tis", inputs, cap=1.7)
+    np.testing.assert_allclose(grad_s, grad_t, rtol=1e-6, atol=1e-8)
 
 
 def test_tis_with_cap_below_every_ratio_ignores_the_ratios():

@@ -16,12 +16,16 @@ VARIANTS = [
     ("tis", {"cap": 0.9}),
     ("decoupled_ppo", {"behave_cap": 1.5}),
     ("icepop", {"band_low": 0.7, "band_high": 1.4, "eps_high": 0.3}),
-    ("staleness_clip", {"schedule": "exp", "alpha": 0.5, "max_lag": 6}),
-    ("staleness_clip", {"schedule": "constant", "max_lag": 3, "agg": "seq_mean_token_mean"}),
+    ("staleness_clip", {"schedule": "exp", "alpha": 0.5, "lag_cutoff": 6}),
+    ("staleness_clip", {"schedule": "constant", "lag_cutoff": 3, "agg": "seq_mean_token_mean"}),
+    ("staleness_clip", {"cap": 1.2, "alpha": 2.0, "eps_high": 0.1}),
     ("cispo", {"eps_low": 0.2, "eps_high": 0.3}),
     ("gspo", {}),
     ("gspo", {"eps_low": 0.2, "eps_high": 0.3}),
     ("m2po", {"tau": 0.5}),
+    ("m2po", {"form": "released"}),
+    ("m2po", {"form": "released", "tau": 0.02, "floor_low": 0.0, "floor_high": 0.0}),
+    ("m2po", {"form": "released", "tau": 50.0}),
 ]
 NO_PROXIMAL = ("ppo", "decoupled_ppo", "icepop", "staleness_clip", "cispo", "gspo")
 

@@ -19,15 +19,18 @@ SETTINGS = {
     "decoupled_ppo": ({"eps_low": 0.1, "eps_high": 0.2, "behave_cap": 2.0},
                       {"eps_low": 0.3, "eps_high": 0.4, "behave_cap": 1.2}),
     "icepop": ({"band_low": 0.6, "band_high": 3.0}, {"band_low": 0.3, "band_high": 8.0}),
-    "staleness_clip": ({"alpha": 0.5, "max_lag": 6}, {"alpha": 0.2, "max_lag": 9}),
+    "staleness_clip": ({"alpha": 0.5, "cap": 2.0, "lag_cutoff": 6},
+                       {"alpha": 0.2, "cap": 1.3, "lag_cutoff": 9}),
     "cispo": ({"eps_low": 0.2, "eps_high": 2.0}, {"eps_low": 0.5, "eps_high": 5.0}),
     "gspo": ({"eps_low": 3e-4, "eps_high": 4e-4}, {"eps_low": 0.5, "eps_high": 1.0}),
     "m2po": ({"tau": 0.04}, {"tau": 0.3}),
+    "m2po_released": ({"form": "released", "tau": 0.01, "floor_low": 0.0, "floor_high": 0.0},
+                      {"form": "released", "tau": 0.05, "floor_low": 0.1, "floor_high": 0.2}),
 }
 
 
 def test_every_loss_has_settings():
-    assert set(SETTINGS) == set(LOSSES)
+    assert {k.split("_released")[0] for k in SETTINGS} == set(LOSSES)
 
 
 def _flat(out):
@@ -35,11 +38,12 @@ def _flat(out):
     return {"loss": loss, "grad": grad, **metrics}
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
-def test_traced_hyperparameters_share_one_compilation_and_equal_constants(name):
-    a, b = SETTINGS[name]
+@pytest.mark.parametrize("key", sorted(SETTINGS))
+def test_traced_hyperparameters_share_one_compilation_and_equal_constants(key):
+    name = key.split("_released")[0]
+    a, b = SETTINGS[key]
     built = get_loss(name, diagnostics=False, **a)
-    assert set(a) <= set(built.traced_hparams)
+    assert {k for k, v in a.items() if not isinstance(v, str)} <= set(built.traced_hparams)
     inputs = to_jax(make_inputs(seed=1, extras=True))
 
     def grad_of(loss_fn, hp):
@@ -66,7 +70,7 @@ def test_traced_hyperparameters_share_one_compilation_and_equal_constants(name):
 def test_structural_hyperparameters_are_not_traced():
     loss_fn = get_loss("staleness_clip", schedule="exp", alpha=0.5)
     assert "schedule" not in loss_fn.traced_hparams and "agg" not in loss_fn.traced_hparams
-    assert "max_lag" not in loss_fn.traced_hparams  # unset (None): structural
+    assert "lag_cutoff" not in loss_fn.traced_hparams  # unset (None): structural
     assert loss_fn.traced_hparams["alpha"] == 0.5
     with pytest.raises(ValueError, match="not traced hyperparameters"):
         loss_fn(to_jax(make_inputs()), {"schedule": 1.0})
