@@ -15,7 +15,9 @@ learn even at lag 0 (21-22% held-out vs 39% with one minibatch, 2026-12-01). Run
 own workdir sharing the grid's warm start
 (`--config.experiment.warm_start.checkpoint=runs/staleness/warm_start/model`): its run names
 match the 2e-4 attempt's, which the runner refuses to mix.
-2 losses x lag {0, 2, 4, 8, 16} x 3 seeds = 30 runs.
+`staleness_clip` runs beside them: with a proximal policy that differs from the current one
+its lag cap and its proximal clip both act.
+3 losses x lag {0, 2, 4, 8, 16} x the grid's seeds.
 """
 from configs.ablate import staleness
 from pipelinerl_jax.ablation.grid import sweep, variants
@@ -25,10 +27,10 @@ def get_config(arg: str = ""):
     c = staleness.get_config()
     c.experiment.learner.optimizer.learning_rate = 5e-5
     c.axes.loss = variants(("decoupled_ppo", {"loss": {"name": "decoupled_ppo"}}),
-                           ("ppo", {"loss": {"name": "ppo"}}))
+                           ("ppo", {"loss": {"name": "ppo"}}),
+                           ("staleness_clip", {"loss": {"name": "staleness_clip"}}))
     c.axes.lag.levels = (0, 2, 4, 8, 16)
     c.axes.minibatches = sweep("learner.minibatches", (4,))
-    c.axes.seed.levels = (0, 1, 2)
     if arg:
         raise ValueError(f"unknown config argument {arg!r} (valid: '')")
     return c

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The staleness study (docs/staleness_study.md), one seed at a time across all of its grids,
+# so that whatever has finished is balanced over cells. Resumable: run it again with the same
+# ROOT (in another sitting) and finished runs are skipped.
+#
+#   bash scripts/staleness_study.sh ROOT [FIRST_SEED] [LAST_SEED]
+#
+# Grids, per seed: the full grid (configs/ablate/staleness.py: 10 loss arms x 7 lags), its
+# learning-rate-5e-5 subgrid (:lowlr, 7 arms x 7 lags), the tinker KL repro (lag 3, in the
+# full grid's workdir) and the
+# decoupled PPO repro (4 minibatches, lr 5e-5). The M2PO repro's cells are the two grids'.
+# Every grid starts from one committed warm start, results/staleness_study/warm_start
+# (trained here once by experiments/sft.py when missing, then committed), so that grids run
+# in different sittings, on different machines, share their starting point exactly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(realpath -m "${1:?usage: staleness_study.sh ROOT [FIRST_SEED] [LAST_SEED]}")
+FIRST=${2:-0}
+LAST=${3:-9}
+WARM=results/staleness_study/warm_start
+if [ ! -f "$WARM/config.json" ]; then
+  python experiments/sft.py --config=configs/default.py --workdir="$ROOT/warm"
+  mkdir -p "$WARM"
+  cp "$ROOT"/warm/model/* "$WARM"/
+  cp "$ROOT"/warm/sft_summary.json "$WARM"/ 2>/dev/null || true
+fi
+grid() {  # grid NAME CONFIG SEED
+  echo "=== $(date -u +%H:%M:%S) $1 seed $3"
+  python experiments/ablate.py --config="$2" --workdir="$ROOT/$1" \
+    --config.experiment.warm_start.checkpoint="$WARM" --config.axes.seed.only="$3"
+}
+for seed in $(seq "$FIRST" "$LAST"); do
+  grid main configs/ablate/staleness.py "$seed"
+  grid lowlr configs/ablate/staleness.py:lowlr "$seed"
+  grid main configs/repro/tinker_kl.py "$seed"   # its lag-0 ppo runs are the grid's
+  grid dppo configs/repro/decoupled_ppo.py "$seed"
+done
+echo "=== $(date -u +%H:%M:%S) done: seeds $FIRST-$LAST"
