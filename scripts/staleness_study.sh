@@ -14,6 +14,7 @@
 # in different sittings, on different machines, share their starting point exactly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code in every process
 ROOT=$(realpath -m "${1:?usage: staleness_study.sh ROOT [FIRST_SEED] [LAST_SEED]}")
 FIRST=${2:-0}
 LAST=${3:-9}
