@@ -3,13 +3,16 @@
   PYTHONPATH=. python scripts/staleness_report.py --results=results/staleness --out=table.md
   PYTHONPATH=. python scripts/staleness_report.py --results=runs/staleness --figures=figures/
 
-Writes (and prints) two tables: final held-out accuracy per loss x injected lag as "mean ±
-half-width" of the 95% Student-t interval over seeds, bold with an arrow where the
-seed-paired interval of the difference to the same loss at lag 0 excludes 0; and the ESS
-analysis (pipelinerl_jax/ablation/staleness.py): per loss the first lag whose stalest-bucket
-ESS is below --ess_threshold and the first lag with a significant accuracy drop, plus how
-well the one predicts the other over every cell. `--figures` also draws lag_ablation,
-diagnostics_by_lag and ess_vs_drop. `--json` prints the numbers as one JSON line as well.
+Writes (and prints), per learning rate of the runs found: final held-out accuracy per loss x
+injected lag as "mean ± half-width" of the 95% Student-t interval over seeds, bold with an
+arrow where the seed-paired interval of the difference to the same loss at lag 0 excludes 0;
+the resolution of the loss-vs-loss comparisons at lags >= 4 (half-widths, minimum detectable
+effects, the false positives their count implies) and the significant pairs; arms whose runs
+are identical number for number, and what each decoupled loss reduces to under the grid's
+settings; the ESS analysis (pipelinerl_jax/ablation/staleness.py). With two learning rates,
+also the drift table: each cell's accuracy drop beside its measured KL and ESS, and whether
+drift or lag predicts the drop. `--figures` also draws lag_ablation, diagnostics_by_lag,
+ess_vs_drop and drop_vs_drift. `--json` prints the numbers as one JSON line as well.
 """
 import json
 import os
@@ -35,26 +38,48 @@ def main(argv):
     runs, problems = results.load_runs(_RESULTS.value)
     for p in problems:
         print(f"skipped: {p}", file=sys.stderr)
-    grid = staleness.lag_grid(runs)
-    if not grid:
+    groups = staleness.by_learning_rate(runs)
+    if not groups:
         sys.exit("no lag-injected runs with evaluations under " + ",".join(_RESULTS.value))
-    ess = staleness.ess_analysis(grid, _ESS.value)
-    text = "\n".join([
-        "### Final held-out accuracy vs injected lag", "",
-        staleness.accuracy_markdown(grid), "",
-        "### Does the ESS of the stalest lag bucket predict the drop?", "",
-        staleness.ess_markdown(ess), ""])
+    parts, out_json = [], {}
+    for lr, grid in groups.items():
+        main = staleness.main_arms(grid)
+        ess = staleness.ess_analysis(main, _ESS.value)
+        rows = staleness.pairwise(main)
+        same = staleness.identical_arms(grid)
+        notes = staleness.reductions(main)
+        parts += [f"## Learning rate {lr:g}", "",
+                  "### Final held-out accuracy vs injected lag", "",
+                  staleness.accuracy_markdown(grid), "",
+                  "### Resolution: every loss-vs-loss comparison at lag >= 4", "",
+                  staleness.resolution_markdown(rows), "",
+                  "Significant pairs:", "", staleness.pairwise_markdown(rows), "",
+                  "### Arms that are the same update", "",
+                  staleness.identical_markdown(same, notes), "",
+                  "### Does the ESS of the stalest lag bucket predict the drop?", "",
+                  staleness.ess_markdown(ess), ""]
+        out_json[f"{lr:g}"] = {"accuracy": staleness.accuracy_table(grid), "ess": ess,
+                               "resolution": staleness.resolution(rows), "identical": same,
+                               "reductions": notes}
+    if len(groups) > 1:
+        cells = staleness.drift_cells({f"lr {lr:g}": staleness.main_arms(g)
+                                       for lr, g in groups.items()})
+        per = staleness.drift_vs_lag(cells)
+        parts += ["## Staleness as drift: accuracy drop vs measured KL, both learning rates",
+                  "", staleness.drift_markdown(cells, per), ""]
+        out_json["drift"] = {"cells": cells, "per_loss": per}
+    text = "\n".join(parts)
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             f.write(text)
     print(text)
     if _FIGURES.value:
         figures.make_all(_RESULTS.value, _FIGURES.value,
-                         only=("lag_ablation", "diagnostics_by_lag", "ess_vs_drop"),
+                         only=("lag_ablation", "diagnostics_by_lag", "ess_vs_drop",
+                               "drop_vs_drift"),
                          log=lambda m: print(m, file=sys.stderr))
     if _JSON.value:
-        print(json.dumps({"accuracy": staleness.accuracy_table(grid), "ess": ess},
-                         default=str))
+        print(json.dumps(out_json, default=str))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 # ROOT (in another sitting) and finished runs are skipped.
 #
 #   bash scripts/staleness_study.sh ROOT [FIRST_SEED] [LAST_SEED]
+#   FINISHED=1 bash scripts/staleness_study.sh ROOT ...   # skip the committed runs too
 #
 # Grids, per seed: the full grid (configs/ablate/staleness.py: 10 loss arms x 7 lags), its
 # learning-rate-5e-5 subgrid (:lowlr, 7 arms x 7 lags), the tinker KL repro (lag 3, in the
@@ -25,11 +26,15 @@ if [ ! -f "$WARM/config.json" ]; then
   cp "$ROOT"/warm/model/* "$WARM"/
   cp "$ROOT"/warm/sft_summary.json "$WARM"/ 2>/dev/null || true
 fi
-grid() {  # grid NAME CONFIG SEED
+grid() {  # grid NAME CONFIG SEED: runs already committed under results/staleness_study/NAME
   echo "=== $(date -u +%H:%M:%S) $1 seed $3"
+  local done=results/staleness_study/$1
   python experiments/ablate.py --config="$2" --workdir="$ROOT/$1" \
-    --config.experiment.warm_start.checkpoint="$WARM" --config.axes.seed.only="$3"
+    --config.experiment.warm_start.checkpoint="$WARM" --config.axes.seed.only="$3" \
+    ${FINISHED:+--config.runner.finished_tables="$done"}
 }
+# In a later sitting, on a machine without the earlier workdirs, FINISHED=1 skips the runs
+# that scripts/export_results.py committed (results/staleness_study/{main,lowlr,dppo}).
 for seed in $(seq "$FIRST" "$LAST"); do
   grid main configs/ablate/staleness.py "$seed"
   grid lowlr configs/ablate/staleness.py:lowlr "$seed"

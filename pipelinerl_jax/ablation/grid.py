@@ -82,6 +82,10 @@ def ablation_config(experiment: ml_collections.ConfigDict) -> ml_collections.Con
         compilation_cache="auto",  # XLA persistent cache: 'auto' = WORKDIR/xla_cache, '' = off
         warmup_steps=0,  # > 0: a throwaway run of the first run first, to fill the XLA cache
         warm_start_timeout_s=7200.0,
+        # Folders of committed tables (results.export_tables; comma-separated): a run of this
+        # grid found finished there is not run again. A grid that takes several sittings keeps
+        # its finished runs in git, not in a workdir that may not outlive the machine.
+        finished_tables="",
     ))
     c.analysis = ml_collections.ConfigDict(dict(
         target_accuracy=0.4,  # time-to-target: first eval at or above this

@@ -19,7 +19,8 @@ A run is a child process (`python -m pipelinerl_jax.ablation.runner run DIR`) ca
 in `experiments/train.py`, each process supervised by `launch/supervisor.py`. A run is
 `diverged` when its learner left a `learner_stopped` record with reason `diverged` in the
 run's `events.jsonl` (launch/outcome.py: it stopped on non-finite steps, a result in itself).
-Resuming: a run whose status is `done` or `diverged` is skipped; a run interrupted after a
+Resuming: a run whose status is `done` or `diverged` is skipped (so is one found finished in
+the committed tables of `runner.finished_tables`, whose config columns must agree); a run interrupted after a
 committed checkpoint restarts in place and its learner resumes from that checkpoint; one
 interrupted before any checkpoint is wiped and restarted; a `failed` one is retried. A
 finished run whose config differs from this grid's on a key both hold is refused (ConfigError),
@@ -185,6 +186,37 @@ def replicate_major(c: ml_collections.ConfigDict, runs: List[RunSpec]) -> List[R
     return sorted(runs, key=lambda r: order.index(r.labels[c.seed_axis]))  # stable
 
 
+def finished_in_tables(folders: str) -> dict:
+    """{run name: its runs.csv row} of the finished runs in committed-table folders."""
+    import csv
+    out = {}
+    for folder in [f.strip() for f in str(folders or "").split(",") if f.strip()]:
+        path = os.path.join(folder, "runs.csv")
+        if not os.path.isfile(path):
+            raise ConfigError("runner.finished_tables", f"{folder!r} holds no runs.csv")
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                if row.get("status") in FINAL:
+                    out[row["run"]] = row
+    return out
+
+
+def table_conflicts(row: dict, cfg: dict) -> List[str]:
+    """Config columns of a committed run row that disagree with the run config `cfg`."""
+    clash = []
+    for column, key in results.CONFIG_COLUMNS.items():
+        want, got = results.config_value(cfg, key), row.get(column, "")
+        if got in ("", None) or want is None:
+            continue
+        try:
+            same = float(got) == float(want)
+        except (TypeError, ValueError):
+            same = str(got) == str(want)
+        if not same:
+            clash.append(f"{column}: table {got!r} vs grid {want!r}")
+    return clash
+
+
 def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
              runs: Optional[List[RunSpec]] = None) -> dict:
     """Runs every unfinished run of the grid `c` under `workdir`, then writes the tables.
@@ -199,9 +231,17 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
     t_start = time.time()
     todo = []
     skipped = []
+    committed = finished_in_tables(c.runner.get("finished_tables", ""))
     for r in runs:
         run_dir = os.path.join(workdir, "runs", r.dirname)
-        if run_status(run_dir) in FINAL:
+        if r.name in committed and run_status(run_dir) not in FINAL:
+            clash = table_conflicts(committed[r.name], json.loads(json.dumps(r.config.to_dict())))
+            if clash:
+                raise ConfigError("runner.finished_tables",
+                                  f"run {r.name} is in the committed tables with another config "
+                                  f"({'; '.join(clash[:5])})")
+            skipped.append(r.name)
+        elif run_status(run_dir) in FINAL:
             old = (_read_json(os.path.join(run_dir, "spec.json")) or {}).get("experiment") or {}
             clash = config_conflicts(old, json.loads(json.dumps(r.config.to_dict())))
             if clash:  # another grid's run under this name: never pass its result off as this one's

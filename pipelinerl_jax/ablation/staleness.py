@@ -10,11 +10,18 @@ A cell's runs share the warm start and differ by seed; seeds are the replicates 
 "Significantly below lag 0": the paired-by-seed 95% t-interval of (cell - lag-0 cell) of the
 final held-out accuracy lies below 0. The ESS of a run is the token-weighted mean ESS of its
 stalest lag bucket (results.stalest_diagnostics); a cell's ESS is the mean over its seeds.
+
+Reading the grid honestly also takes (`pairwise`, `identical_arms`, `reductions`, `drift`):
+every loss-vs-loss comparison at a lag with its paired half-width and minimum detectable
+effect, and how many false positives its count implies; arms whose runs are identical number
+for number (two names, one update); what a loss reduces to under the grid's settings; and
+staleness measured as drift (KL k3 between behaviour and current policy in the stalest
+bucket) beside lag, across learning rates.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -50,6 +57,25 @@ def lag_grid(runs: Sequence[Run], key=loss_label) -> Grid:
         grid.setdefault(key(r), {}).setdefault(int(r.get("lag_injection.k", 0)), {})[
             seed_of(r)] = r
     return grid
+
+
+def by_learning_rate(runs: Sequence[Run]) -> Dict[float, Grid]:
+    """{learning rate: lag_grid of its runs}, in increasing order of learning rate."""
+    lrs = {}
+    for r in runs:
+        lr = r.get("learner.optimizer.learning_rate")
+        lrs.setdefault(float(lr) if lr is not None else math.nan, []).append(r)
+    out = {lr: lag_grid(rs) for lr, rs in sorted(lrs.items())}
+    return {lr: g for lr, g in out.items() if g}
+
+
+def main_arms(grid: Grid) -> Grid:
+    """The arms that differ only in their loss (their label carries no axis but `lr`): the
+    grid proper, without repro arms of other settings (e.g. `ppo (minibatches=4)`)."""
+    def extra(label: str) -> List[str]:
+        inside = label.partition(" (")[2].rstrip(")")
+        return [kv for kv in inside.split(", ") if kv and not kv.startswith("lr=")]
+    return {label: cells for label, cells in grid.items() if not extra(label)}
 
 
 def final_accuracy(r: Run) -> Optional[float]:
@@ -220,4 +246,238 @@ def ess_markdown(analysis: dict) -> str:
                 f"lag 0: Pearson {num(analysis.get('pearson'))}, Spearman "
                 f"{num(analysis.get('spearman'))}. 'early': ESS fell below {t:g} at a smaller "
                 f"lag than accuracy dropped (or accuracy never did); 'late': the reverse."]
+    return "\n".join(out)
+
+
+# ============================================================================ resolution
+
+FINGERPRINT_KEYS = ("eval/accuracy", "reward/mean", "loss/loss", "loss/ess", "loss/clip_frac",
+                    "loss/kl_k3", "learner/tokens")
+
+
+def fingerprint(r: Run) -> tuple:
+    """Every step's logged evaluation, reward, loss and diagnostics: two runs with the same
+    fingerprint made the same updates (to the 6 significant digits committed tables keep)."""
+    def v(x):
+        return None if x is None else float(f"{float(x):.6g}")
+    return tuple((row.get("step"),) + tuple(v(row.get(k)) for k in FINGERPRINT_KEYS)
+                 for row in r.rows)
+
+
+def identical_arms(grid: Grid) -> List[dict]:
+    """Pairs of arms whose runs are identical number for number in (lag, seed) cells they
+    share: {a, b, shared, identical, lags} (lags where every shared seed is identical)."""
+    out, labels = [], _order(grid)
+    prints = {(a, k, s): fingerprint(r) for a in labels for k in grid[a]
+              for s, r in grid[a][k].items()}
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            shared = [(k, s) for k in grid[a] for s in grid[a][k] if s in grid[b].get(k, {})]
+            same = {(k, s) for k, s in shared if prints[(a, k, s)] == prints[(b, k, s)]}
+            if same:
+                lags = sorted({k for k, _ in shared
+                               if all((k, s) in same for kk, s in shared if kk == k)})
+                out.append({"a": a, "b": b, "shared": len(shared), "identical": len(same),
+                            "lags": lags})
+    return out
+
+
+def pairwise(grid: Grid, fn=final_accuracy, min_lag: int = 4) -> List[dict]:
+    """Every pair of arms at every lag >= min_lag that both ran: the seed-paired difference
+    (a - b), its 95% half-width, the SD of the per-seed differences and the minimum
+    detectable effect at 80% power (stats.min_detectable_effect)."""
+    rows, labels = [], _order(grid)
+    lags = sorted({k for cells in grid.values() for k in cells if k >= min_lag})
+    for k in lags:
+        for i, a in enumerate(labels):
+            for b in labels[i + 1:]:
+                if k not in grid[a] or k not in grid[b]:
+                    continue
+                c = versus(grid[a][k], grid[b][k], fn)
+                if not c.paired:
+                    continue
+                rows.append({"lag": k, "a": a, "b": b, "n": c.n, "diff": c.diff,
+                             "half": c.half, "sd": c.sd, "verdict": c.verdict,
+                             "mde": stats.min_detectable_effect(c.sd, c.n)})
+    return rows
+
+
+def resolution(rows: Sequence[dict], goal: float = 0.05) -> List[dict]:
+    """Per lag: comparisons, seeds, pooled SD of the paired differences, median and largest
+    half-width and MDE, whether every half-width is <= `goal`, significant pairs and the
+    false positives expected from the count alone (5% of it)."""
+    out = []
+    for k in sorted({r["lag"] for r in rows}):
+        rs = [r for r in rows if r["lag"] == k and math.isfinite(r["half"])]
+        if not rs:
+            continue
+        halves = np.asarray([r["half"] for r in rs])
+        mdes = np.asarray([r["mde"] for r in rs])
+        out.append({"lag": k, "comparisons": len(rs), "seeds": min(r["n"] for r in rs),
+                    "pooled_sd": float(np.sqrt(np.mean(np.square([r["sd"] for r in rs])))),
+                    "half_median": float(np.median(halves)), "half_max": float(halves.max()),
+                    "mde_median": float(np.median(mdes)), "mde_max": float(mdes.max()),
+                    "goal": goal, "goal_met": bool(halves.max() <= goal),
+                    "significant": sum(r["verdict"] in ("better", "worse") for r in rs),
+                    "expected_false_positives": 0.05 * len(rs)})
+    return out
+
+
+def resolution_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
+    summary = resolution(rows)
+    out = ["| lag | comparisons | seeds | SD of paired diff | 95% half-width median / max | "
+           "MDE (80% power) median / max | half-width <= 5 pts | significant | expected by "
+           "chance |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        out.append(f"| {r['lag']} | {r['comparisons']} | {r['seeds']} | "
+                   f"{r['pooled_sd'] * scale:.1f} | {r['half_median'] * scale:.1f} / "
+                   f"{r['half_max'] * scale:.1f} | {r['mde_median'] * scale:.1f} / "
+                   f"{r['mde_max'] * scale:.1f} | {'yes' if r['goal_met'] else 'no'} | "
+                   f"{r['significant']} | {r['expected_false_positives']:.1f} |")
+    n = sum(r["comparisons"] for r in summary)
+    out += ["", f"Every pair of arms at each lag >= 4, final held-out accuracy, paired by seed "
+                f"(points). MDE: the smallest true difference the paired t-test detects with "
+                f"80% power at 5% two-sided. {n} comparisons: at a 5% level ~{0.05 * n:.0f} "
+                f"would come out significant by chance alone if no loss differed."]
+    return "\n".join(out)
+
+
+def identical_markdown(same: Sequence[dict], notes: Dict[str, str]) -> str:
+    """The identical pairs (those identical beyond lag 0 first: two names for one update) and
+    what each decoupled arm reduces to."""
+    out = []
+    beyond = [p for p in same if any(k > 0 for k in p["lags"])]
+    at0 = [p for p in same if p["lags"] == [0]]
+    for p in beyond:
+        out.append(f"- **{p['a']} and {p['b']} are identical** in {p['identical']} of "
+                   f"{p['shared']} shared runs (lags {', '.join(map(str, p['lags']))}): two "
+                   f"arms, one update.")
+    if at0:
+        out.append("- Identical at lag 0 only (on-policy, where these corrections are "
+                   "inactive): " + "; ".join(f"{p['a']} = {p['b']}" for p in at0) + ".")
+    if not same:
+        out.append("- No two arms are identical in any run.")
+    for label, note in notes.items():
+        out.append(f"- At minibatches=1, `{label}` is {note}.")
+    return "\n".join(out)
+
+
+def pairwise_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
+    """The significant pairs, and for each lag the pairs' MDE."""
+    sig = [r for r in rows if r["verdict"] in ("better", "worse")]
+    out = ["| lag | a | b | a - b (pts) | 95% half-width | MDE |", "|---|---|---|---|---|---|"]
+    for r in sorted(sig, key=lambda r: (r["lag"], -abs(r["diff"]))):
+        out.append(f"| {r['lag']} | {r['a']} | {r['b']} | {r['diff'] * scale:+.1f} | "
+                   f"{r['half'] * scale:.1f} | {r['mde'] * scale:.1f} |")
+    return "\n".join(out) if sig else "No pair of arms differs significantly at any lag >= 4."
+
+
+def reductions(grid: Grid) -> Dict[str, str]:
+    """What each arm's loss reduces to under its runs' settings, where it is not what its name
+    says: at minibatches=1 the learner's proximal policy is the current one (r = 1), so a
+    decoupled objective's clip on r never binds and only its behaviour weight acts."""
+    from pipelinerl_jax.losses import get_loss  # jax import: only here
+    notes = {}
+    for label, cells in grid.items():
+        r = next(iter(next(iter(cells.values())).values()))
+        loss = r.get("loss") or {}
+        name = loss.get("name") if isinstance(loss, dict) else r.get("loss.name")
+        mb = int(r.get("learner.minibatches", 1) or 1)
+        if not name or mb != 1:
+            continue
+        hp = {k: v for k, v in (loss if isinstance(loss, dict) else {}).items()
+              if k != "name" and v is not None}
+        try:
+            h = get_loss(name, **hp).hparams
+        except Exception:  # noqa: BLE001 - an unknown loss in old runs: no note
+            continue
+        if name == "decoupled_ppo":
+            cap = "uncapped" if h["behave_cap"] is None else f"capped at {h['behave_cap']:g}"
+            notes[label] = (f"token IS against the behaviour policy, weight {cap} (= tis with "
+                            f"that cap, in gradient); its PPO clip never binds")
+        elif name == "icepop":
+            notes[label] = (f"token IS against the behaviour policy, tokens with weight outside "
+                            f"[{h['band_low']:g}, {h['band_high']:g}] masked; its PPO clip never "
+                            f"binds")
+        elif name == "staleness_clip":
+            notes[label] = (f"token TIS with cap 1 + ({h['cap']:g} - 1)·s(lag) (= tis with "
+                            f"cap {h['cap']:g} at lag 0, in gradient); its PPO clip never binds")
+    return notes
+
+
+# ============================================================================ drift
+
+def drift_stalest(r: Run) -> Optional[float]:
+    """KL(behaviour || current), k3, token-weighted over the stalest lag bucket of the run."""
+    return stalest_diagnostics(r)["kl_k3_stalest"]
+
+
+def drift_cells(grids: Dict[str, Grid]) -> List[dict]:
+    """One row per (group, loss, lag > 0) with a lag-0 reference: the paired accuracy drop to
+    lag 0 and the measured drift (KL k3 and ESS of the stalest bucket, means over seeds).
+    `grids`: {group (e.g. a learning rate): Grid}."""
+    rows = []
+    for group, grid in grids.items():
+        for loss in _order(grid):
+            ref = grid[loss].get(0)
+            if ref is None:
+                continue
+            for k in sorted(grid[loss]):
+                if k == 0:
+                    continue
+                c = versus(grid[loss][k], ref)
+                kl = cell_interval(grid[loss][k], drift_stalest)
+                ess = cell_interval(grid[loss][k], ess_stalest)
+                if c.verdict == "n/a" or not kl.n:
+                    continue
+                rows.append({"group": group, "loss": loss, "lag": k, "drop": c.diff,
+                             "half": c.half, "verdict": c.verdict, "kl_k3": kl.mean,
+                             "ess": ess.mean, "n": c.n})
+    return rows
+
+
+def _r2(x: np.ndarray, y: np.ndarray) -> Optional[float]:
+    if x.size < 3 or np.std(x) == 0:
+        return None
+    slope, icpt = np.polyfit(x, y, 1)
+    res = y - (slope * x + icpt)
+    tot = np.sum((y - y.mean()) ** 2)
+    return float(1.0 - np.sum(res ** 2) / tot) if tot > 0 else None
+
+
+def drift_vs_lag(rows: Sequence[dict], base=lambda loss: loss.split(" (")[0]) -> dict:
+    """Does drift, rather than lag, predict the drop? Per loss (pooled over the groups, e.g.
+    learning rates): R² of a line through the drops on log(1 + lag) and on log(KL k3), and
+    Spearman correlations. Lag alone cannot tell two learning rates apart; if drift is what
+    matters, the pooled fit on KL is the better one."""
+    per = {}
+    for loss in sorted({base(r["loss"]) for r in rows}):
+        rs = [r for r in rows if base(r["loss"]) == loss and r["kl_k3"] and r["kl_k3"] > 0]
+        if len({r["group"] for r in rs}) < 2:
+            continue
+        y = np.asarray([r["drop"] for r in rs])
+        lag = np.log1p(np.asarray([r["lag"] for r in rs], float))
+        kl = np.log(np.asarray([r["kl_k3"] for r in rs]))
+        per[loss] = {"cells": len(rs), "r2_lag": _r2(lag, y), "r2_kl": _r2(kl, y),
+                     "spearman_lag": _corr(_ranks(lag), _ranks(y)),
+                     "spearman_kl": _corr(_ranks(kl), _ranks(y))}
+    return per
+
+
+def drift_markdown(rows: Sequence[dict], per: dict, scale: float = 100.0) -> str:
+    groups = sorted({r["group"] for r in rows})
+    out = ["| arm | lag | drop vs lag 0 (pts) | KL k3, stalest bucket | ESS, stalest bucket |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['loss']} | {r['lag']} | {r['drop'] * scale:+.1f} ± "
+                   f"{r['half'] * scale:.1f} | {r['kl_k3']:.3g} | {r['ess']:.2f} |")
+    out += ["", f"Groups: {', '.join(groups)}.", "",
+            "| loss | cells | R² on log(1+lag) | R² on log KL | Spearman lag | Spearman KL |",
+            "|---|---|---|---|---|---|"]
+
+    def num(v):
+        return "n/a" if v is None else f"{v:.2f}"
+    for loss, a in per.items():
+        out.append(f"| {loss} | {a['cells']} | {num(a['r2_lag'])} | {num(a['r2_kl'])} | "
+                   f"{num(a['spearman_lag'])} | {num(a['spearman_kl'])} |")
     return "\n".join(out)

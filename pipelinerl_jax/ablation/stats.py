@@ -129,6 +129,27 @@ def bootstrap_interval(values: Sequence[float], level: float = LEVEL, reps: int 
     return Interval(m, float(max(m - lo, hi - m)), int(x.size), level)
 
 
+def min_detectable_effect(sd: float, n: int, level: float = LEVEL, power: float = 0.8) -> float:
+    """The smallest true difference a paired t-test over `n` seed pairs detects (two-sided at
+    `level`) with probability `power`, given the SD of the per-seed differences:
+    (t_{(1+level)/2, n-1} + t_{power, n-1})·sd/√n (the usual normal-approximation formula with
+    t quantiles; nan for n < 2)."""
+    if n < 2 or not math.isfinite(sd):
+        return math.nan
+    df = n - 1
+    return (t_ppf(0.5 + level / 2.0, df) + t_ppf(power, df)) * sd / math.sqrt(n)
+
+
+def seeds_for_half_width(sd: float, half: float, level: float = LEVEL) -> Optional[int]:
+    """The fewest seed pairs whose paired t-interval has half-width <= `half` at this SD."""
+    if not (math.isfinite(sd) and half > 0):
+        return None
+    for n in range(2, 10_000):
+        if t_ppf(0.5 + level / 2.0, n - 1) * sd / math.sqrt(n) <= half:
+            return n
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     diff: float  # mean of a - b
@@ -137,6 +158,7 @@ class Comparison:
     paired: bool
     df: float
     verdict: str  # 'better' | 'worse' (a than b) | 'n.s.' | 'n/a' (too few values)
+    sd: float = math.nan  # SD (ddof 1) of the per-seed differences (paired only)
 
     @property
     def lo(self) -> float:
@@ -163,9 +185,12 @@ def compare(a: Dict[Hashable, Optional[float]], b: Dict[Hashable, Optional[float
     a, b = _finite(a), _finite(b)
     shared = sorted(set(a) & set(b), key=str)
     if len(shared) >= 2:
-        iv = t_interval([a[s] - b[s] for s in shared], level)
+        d = [a[s] - b[s] for s in shared]
+        iv = t_interval(d, level)
         diff, half, n, paired, df = iv.mean, iv.half, iv.n, True, float(iv.n - 1)
+        sd = float(np.std(d, ddof=1))
     elif len(a) >= 2 and len(b) >= 2:
+        sd = math.nan
         xa, xb = np.asarray(list(a.values())), np.asarray(list(b.values()))
         va, vb = xa.var(ddof=1) / xa.size, xb.var(ddof=1) / xb.size
         diff, n, paired = float(xa.mean() - xb.mean()), int(min(xa.size, xb.size)), False
@@ -184,4 +209,4 @@ def compare(a: Dict[Hashable, Optional[float]], b: Dict[Hashable, Optional[float
         verdict = "worse" if sign > 0 else "better"
     else:
         verdict = "n.s."
-    return Comparison(diff, half, n, paired, df, verdict)
+    return Comparison(diff, half, n, paired, df, verdict, sd)

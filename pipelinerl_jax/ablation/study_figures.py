@@ -5,6 +5,10 @@ with its 95% Student-t interval (stats.py).
   ess_vs_drop            left: ESS of the stalest lag bucket vs injected lag per loss, with
                          the 0.5 line; right: per cell (loss, lag > 0), that ESS vs the
                          accuracy difference to the loss's lag 0 (filled: significant drop)
+  drop_vs_drift          per cell (loss, lag > 0) of each learning rate: the accuracy
+                         difference to the loss's lag 0 against the measured drift (KL k3 of
+                         the stalest bucket; left) and against the lag (right) — if drift,
+                         not lag, sets the drop, the learning rates line up on the left
   repro_tinker_kl        KL(behaviour || current) k3 over training for unclipped IS and PPO
                          at lag 0 and ~3, and their final accuracy (configs/repro/tinker_kl.py)
   repro_m2po_stale       final accuracy vs lag, m2po vs tis (configs/repro/m2po_stale.py)
@@ -21,8 +25,9 @@ import numpy as np
 from pipelinerl_jax.ablation import repro, stats
 from pipelinerl_jax.ablation.plotting import Skip, colors, plt, save
 from pipelinerl_jax.ablation.results import Run
-from pipelinerl_jax.ablation.staleness import (cell_interval, ess_analysis, ess_stalest,
-                                               lag_grid)
+from pipelinerl_jax.ablation.staleness import (by_learning_rate, cell_interval, drift_cells,
+                                               drift_vs_lag, ess_analysis, ess_stalest,
+                                               lag_grid, main_arms)
 
 
 def _half(iv: stats.Interval) -> float:
@@ -71,6 +76,44 @@ def ess_vs_drop(runs: Sequence[Run], out: str) -> dict:
             "ess_below_lag": {k: v["ess_below_lag"] for k, v in a["losses"].items()},
             "drop_lag": {k: v["drop_lag"] for k, v in a["losses"].items()},
             "classifier": a.get("classifier"), "pearson": a.get("pearson")}
+
+
+def drop_vs_drift(runs: Sequence[Run], out: str) -> dict:
+    groups = by_learning_rate(runs)
+    if len(groups) < 2:
+        raise Skip("needs lag-injected grids at two learning rates (configs/ablate/staleness.py "
+                   "and its :lowlr)")
+    cells = drift_cells({f"lr {lr:g}": main_arms(g) for lr, g in groups.items()})
+    if not cells:
+        raise Skip("needs cells at lag 0 and lag > 0 with per-bucket KL")
+    per = drift_vs_lag(cells)
+    base = sorted({c["loss"].split(" (")[0] for c in cells})
+    color = dict(zip(base, colors(len(base))))
+    marks = dict(zip(sorted({c["group"] for c in cells}), "os^D"))
+    fig, (ax, ax_lag) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
+    for c in cells:
+        b = c["loss"].split(" (")[0]
+        kw = dict(color=color[b], marker=marks[c["group"]], ms=5, capsize=2, lw=0.8,
+                  mfc=color[b] if c["verdict"] == "worse" else "white")
+        ax.errorbar([c["kl_k3"]], [100 * c["drop"]], yerr=[[100 * _h(c)], [100 * _h(c)]], **kw)
+        ax_lag.errorbar([c["lag"] * (1.06 if marks[c["group"]] != "o" else 1.0)],
+                        [100 * c["drop"]], yerr=[[100 * _h(c)], [100 * _h(c)]], **kw)
+    for b in base:
+        ax.plot([], [], color=color[b], lw=2, label=b)
+    for g, m in marks.items():
+        ax.plot([], [], "k" + m, mfc="white", label=g)
+    ax.set_xscale("log")
+    ax_lag.set_xscale("log", base=2)
+    ax.set(xlabel="measured drift: KL(behaviour || current) k3, stalest bucket (cell mean)",
+           ylabel="final accuracy - lag 0 (points, paired 95% t)",
+           title="drop vs drift (filled: significant)")
+    ax_lag.set(xlabel="injected lag k (versions)", title="drop vs lag")
+    for x in (ax, ax_lag):
+        x.axhline(0, color="gray", ls=":", lw=1)
+        x.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return {"path": save(fig, out, "drop_vs_drift"), "per_loss": per, "cells": len(cells)}
 
 
 def _h(c: dict) -> float:
@@ -145,6 +188,6 @@ def repro_decoupled_ppo(runs: Sequence[Run], out: str) -> dict:
     return _repro("decoupled_ppo", runs, out)
 
 
-FIGURES = {"ess_vs_drop": ess_vs_drop, "repro_tinker_kl": repro_tinker_kl,
+FIGURES = {"ess_vs_drop": ess_vs_drop, "drop_vs_drift": drop_vs_drift, "repro_tinker_kl": repro_tinker_kl,
            "repro_m2po_stale": repro_m2po_stale, "repro_m2po_stale_long": repro_m2po_stale_long,
            "repro_decoupled_ppo": repro_decoupled_ppo}

@@ -15,23 +15,23 @@ def _bucket(lag):
 
 
 def _config(mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0, seed=0,
-            cap=None, minibatches=1, steps=12):
+            cap=None, minibatches=1, steps=12, lr=1e-4):
     return {"mode": mode, "max_lag": max_lag, "seed": seed,
             "loss": {"name": loss, "cap": cap}, "engine": {"kv_policy": kv},
             "lag_injection": {"enabled": injected, "kind": "fixed", "k": k, "max_k": k},
             "learner": {"batch_groups": 2, "total_steps": steps, "eval_every": 4,
-                        "minibatches": minibatches, "optimizer": {"learning_rate": 1e-4}},
+                        "minibatches": minibatches, "optimizer": {"learning_rate": lr}},
             "rollout": {"group_size": 4}}
 
 
 def write_run(path, *, mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0,
               seed=0, steps=12, spec=True, labels=None, cap=None, minibatches=1, acc_fn=None,
-              kl_fn=None, ess_fn=None):
+              kl_fn=None, ess_fn=None, lr=1e-4):
     """One run directory; returns its path. `acc_fn(step)`, `kl_fn(step)`, `ess_fn(step)`
     replace the default laws of the accuracy, KL k3 and ESS."""
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed * 101 + k + 7 * max_lag + len(loss))
-    cfg = _config(mode, max_lag, loss, kv, injected, k, seed, cap, minibatches, steps)
+    cfg = _config(mode, max_lag, loss, kv, injected, k, seed, cap, minibatches, steps, lr)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     if spec:
@@ -116,6 +116,18 @@ def write_results(root):
                 write_run(os.path.join(runs, f"inj_{label}_{k}_s{seed}"), loss=loss,
                           injected=True, k=k, seed=seed, **extra,
                           labels={"loss": label, "lag": str(k), "seed": str(seed)})
+        # configs/ablate/staleness.py:lowlr: a quarter of the learning rate, so a sixteenth of
+        # the drift per version; the accuracy drop follows the drift, not the lag.
+        for loss in ("reinforce", "tis"):
+            for k in (0, 2, 8):
+                drift = 0.001 * (1 + k) / 16
+                write_run(os.path.join(runs, f"inj_{loss}_{k}_lowlr_s{seed}"), loss=loss,
+                          injected=True, k=k, seed=seed, lr=2.5e-5,
+                          kl_fn=lambda s, d=drift: d,
+                          acc_fn=lambda s, kk=k, sd=seed: 0.3 + 0.02 * s / (1 + 0.1 * kk / 16)
+                          + 0.002 * sd,
+                          labels={"loss": loss, "lag": str(k), "lr": "2.5e-05",
+                                  "seed": str(seed)})
         # configs/repro/m2po_stale.py:long: its own axis (steps=16) keeps it apart.
         for loss in ("m2po", "tis"):
             for k in (0, 64):

@@ -275,3 +275,32 @@ def test_sigterm_stops_the_runs_in_flight(tmp_path):
     while time.time() < deadline and ours():
         time.sleep(0.5)
     assert ours() == []
+
+
+def test_runs_finished_in_committed_tables_are_not_run_again(tmp_path):
+    """A grid resumed on a new machine (its workdir gone) skips the runs whose results were
+    committed as tables, and refuses a committed run of another config under the same name."""
+    c = grid.ablation_config(_tiny_experiment())
+    c.axes.seed = grid.sweep("seed", (0, 1))
+    names = [r.name for r in grid.expand(c)]
+    tables = tmp_path / "tables"
+    tables.mkdir()
+
+    def write(lr):
+        with open(tables / "runs.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, ["run", "status", "seed", "learning_rate", "lag_injection"])
+            w.writeheader()
+            for n in names:
+                w.writerow({"run": n, "status": "done", "seed": n.split("=")[-1],
+                            "learning_rate": lr, "lag_injection": "True"})
+
+    write(c.experiment.learner.optimizer.learning_rate)
+    c.runner.finished_tables = str(tables)
+    out = runner.run_grid(c, str(tmp_path / "w"), log=lambda m: None)
+    assert sorted(out["skipped"]) == sorted(names) and out["ran"] == []
+    write(3e-4)
+    with pytest.raises(ConfigError, match="learning_rate: table '0.0003'"):
+        runner.run_grid(c, str(tmp_path / "w2"), log=lambda m: None)
+    c.runner.finished_tables = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="runner.finished_tables"):
+        runner.run_grid(c, str(tmp_path / "w3"), log=lambda m: None)

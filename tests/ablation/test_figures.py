@@ -44,7 +44,10 @@ def test_script_draws_every_figure_and_names_bad_runs(results_dir, tmp_path):
     assert sva["speedup_to_target"] > 1.0
     assert set(facts["figures"]["lag_ablation"]["losses"]) == {
         "reinforce", "tis", "tis_nocap", "ppo", "m2po", "dppo_mb4", "ppo_mb4",
-        "m2po (steps=16)", "tis (steps=16)"}
+        "m2po (steps=16)", "tis (steps=16)", "reinforce (lr=2.5e-05)", "tis (lr=2.5e-05)"}
+    # drop_vs_drift pairs the two learning rates' cells of each loss (lags 2 and 8)
+    drift = facts["figures"]["drop_vs_drift"]
+    assert set(drift["per_loss"]) == {"reinforce", "tis"} and drift["cells"] >= 8
     assert facts["figures"]["lag_ablation"]["lags"] == [0, 2, 3, 8, 32, 64]
     # the :long grid's runs have their own figure and stay out of the 60-step one
     assert all("lag 32" in c for c in facts["figures"]["repro_m2po_stale"]["claims"])

@@ -1,0 +1,93 @@
+"""Reading the staleness grid honestly: identical arms are flagged, every comparison gets its
+half-width and minimum detectable effect, decoupled losses are labelled with what they reduce
+to at minibatches=1, and the drift analysis tells lag from drift."""
+import math
+import os
+import sys
+
+import numpy as np
+
+from pipelinerl_jax.ablation import results, staleness, stats
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import synthetic  # noqa: E402
+
+
+def _grid(tmp_path, arms, lags=(0, 4), seeds=(0, 1, 2), lr=1e-4):
+    """arms: {label: (loss name, acc_fn(seed, lag, step))}."""
+    for label, (loss, acc) in arms.items():
+        for k in lags:
+            for s in seeds:
+                synthetic.write_run(str(tmp_path / f"{label}_{k}_{s}"), loss=loss, injected=True,
+                                    k=k, seed=s, lr=lr,
+                                    acc_fn=lambda st, s=s, k=k, acc=acc: acc(s, k, st),
+                                    labels={"loss": label, "lag": str(k), "seed": str(s)})
+    runs, problems = results.load_runs([str(tmp_path)])
+    assert not problems
+    return staleness.lag_grid(runs)
+
+
+def test_identical_arms_are_flagged_and_near_identical_ones_are_not(tmp_path):
+    same = lambda s, k, st: 0.3 + 0.01 * st - 0.01 * k + 0.001 * s  # noqa: E731
+    near = lambda s, k, st: same(s, k, st) + (1e-4 if k else 0.0)  # noqa: E731
+    grid = _grid(tmp_path, {"decoupled_ppo": ("decoupled_ppo", same),
+                            # the same update under another name (as the first staleness_clip)
+                            "staleness_clip": ("decoupled_ppo", same),
+                            "tis": ("decoupled_ppo", near)})
+    pairs = {(p["a"], p["b"]): p for p in staleness.identical_arms(grid)}
+    full = pairs[("decoupled_ppo", "staleness_clip")]
+    assert full["identical"] == full["shared"] == 6 and full["lags"] == [0, 4]
+    # tis equals them at lag 0 only (its rows differ at lag 4 in the 4th digit)
+    assert pairs[("tis", "decoupled_ppo")]["lags"] == [0]  # registry order
+    text = staleness.identical_markdown(staleness.identical_arms(grid), {})
+    assert "**decoupled_ppo and staleness_clip are identical**" in text
+    assert "Identical at lag 0 only" in text
+
+
+def test_pairwise_resolution_reports_half_width_and_mde(tmp_path):
+    rng = np.random.default_rng(0)
+    noise = {(s, k): rng.normal(0, 0.03) for s in range(8) for k in (0, 4)}
+    a = lambda s, k, st: 0.4 + noise[(s, k)]  # noqa: E731
+    b = lambda s, k, st: 0.3 + noise[(s, k)] + 0.01 * (s % 2)  # noqa: E731
+    grid = _grid(tmp_path, {"ppo": ("ppo", a), "tis": ("tis", b)}, seeds=range(8))
+    rows = staleness.pairwise(grid)
+    assert len(rows) == 1 and rows[0]["lag"] == 4 and rows[0]["n"] == 8
+    d = [0.1 - 0.01 * (s % 2) for s in range(8)]
+    assert math.isclose(rows[0]["diff"], np.mean(d), abs_tol=1e-9)
+    assert math.isclose(rows[0]["sd"], np.std(d, ddof=1), rel_tol=1e-6)
+    want_mde = (stats.t_ppf(0.975, 7) + stats.t_ppf(0.8, 7)) * np.std(d, ddof=1) / math.sqrt(8)
+    assert math.isclose(rows[0]["mde"], want_mde, rel_tol=1e-6)
+    (res,) = staleness.resolution(rows)
+    assert res["goal_met"] and res["significant"] == 1 and res["seeds"] == 8
+    assert "half-width <= 5 pts" in staleness.resolution_markdown(rows)
+
+
+def test_min_detectable_effect_and_seeds_needed():
+    # 10 seeds at the 3-seed grid's SD of 5.5 points: MDE ~5.5, half-width 3.9
+    assert math.isclose(stats.min_detectable_effect(5.5, 10), 5.47, abs_tol=0.01)
+    assert stats.seeds_for_half_width(5.5, 5.0) == 8
+    assert math.isnan(stats.min_detectable_effect(5.5, 1))
+
+
+def test_decoupled_losses_are_labelled_with_what_they_reduce_to(tmp_path):
+    flat = lambda s, k, st: 0.3  # noqa: E731
+    grid = _grid(tmp_path, {"decoupled_ppo": ("decoupled_ppo", flat), "ppo": ("ppo", flat),
+                            "staleness_clip": ("staleness_clip", flat)}, seeds=(0,))
+    notes = staleness.reductions(grid)
+    assert set(notes) == {"decoupled_ppo", "staleness_clip"}
+    assert "uncapped" in notes["decoupled_ppo"] and "never binds" in notes["decoupled_ppo"]
+    assert "1 + (2 - 1)·s(lag)" in notes["staleness_clip"]
+
+
+def test_drift_analysis_prefers_the_predictor_that_explains_both_learning_rates():
+    # drop = -0.05·log(KL/1e-3): a pure function of drift; the low learning rate has 1/16 of
+    # the drift at each lag, so lag alone explains the two groups badly.
+    rows = []
+    for group, scale in (("hi", 1.0), ("lo", 1 / 16)):
+        for k in (1, 2, 4, 8, 16, 32):
+            kl = 1e-3 * k * scale
+            rows.append({"group": group, "loss": "tis", "lag": k, "kl_k3": kl,
+                         "drop": -0.05 * math.log(kl / 1e-4), "half": 0.01,
+                         "verdict": "worse", "ess": 0.5, "n": 3})
+    per = staleness.drift_vs_lag(rows)["tis"]
+    assert per["r2_kl"] > 0.99 and per["r2_lag"] < per["r2_kl"] - 0.2
