@@ -71,3 +71,11 @@ def test_at_one_minibatch_it_is_tis_with_the_lag_cap(lag, monkeypatch):
     # rounding of near-zero gradients to ~5e-6 here, against ~2e-3 (a whole step) for tis at
     # its default cap.
     assert _max_diff(clip, tis) < 1e-2 * _max_diff(clip, tis_default)
+
+
+def test_m2po_forms_differ_in_the_train_step(monkeypatch):
+    """The released form (budget over harmful tokens, one floored PPO clip) and the paper's
+    masking form make different updates on the same stale batch."""
+    paper = _step(_cfg("m2po", 1), 4, monkeypatch)
+    released = _step(_cfg("m2po", 1, form="released"), 4, monkeypatch)
+    assert _max_diff(paper, released) > 1e-5
