@@ -161,6 +161,7 @@ def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.E
     client.wait_ready(60.0)
     worker = RolloutWorker(cfg, engine, task, tok, client, worker_index=index, workdir=workdir)
     sub = WeightSubscriber(weights_address(cfg.transport), worker.on_weights,
+                           expected_shapes=engine.weight_shapes(),
                            **subscriber_kwargs(cfg.transport))
     threading.Thread(target=lambda: (stop.wait(), worker.stop()), daemon=True).start()
     try:
