@@ -409,7 +409,7 @@ class QueueCore:
                     return None
                 self._cv.wait(min(remaining, 0.5))
                 if self._session != session_id:
-                    raise SessionSuperseded(f"session {session_id} was superseded")
+                    raise SessionSuperseded(f"session_id: session {session_id} was superseded")
 
     def _switch_session_locked(self, session_id: str) -> None:
         if not session_id:
@@ -417,7 +417,8 @@ class QueueCore:
         if session_id == self._session:
             return
         if session_id in self._old_sessions:
-            raise SessionSuperseded(f"session {session_id} was superseded by a newer one")
+            raise SessionSuperseded(f"session_id: session {session_id} was superseded by a newer "
+                                    "one")
         if self._session is not None:
             self._old_sessions.add(self._session)
         self._session = session_id

@@ -46,7 +46,6 @@ import math
 import os
 import sys
 import threading
-import time
 import uuid
 import zlib
 from concurrent import futures

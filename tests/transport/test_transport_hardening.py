@@ -13,8 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-import zlib
 
 import grpc
 import numpy as np
@@ -30,7 +28,7 @@ from pipelinerl_jax.transport.queue_server import SERVICE, RolloutQueueServer
 from pipelinerl_jax.transport.security import load_token
 from pipelinerl_jax.transport.weights import WeightSubscriber
 from fake_weight_stream import ScriptedPublisher, good_frames, params_of
-from transport_testlib import make_group, make_rollout
+from transport_testlib import HandlerContext, make_group, make_rollout
 
 MIB = 1 << 20
 FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
@@ -118,37 +116,19 @@ def test_issue23_1_client_refuses_an_undeliverable_rollout_before_sending():
         assert client.stats()["put_invalid"] == 0  # never sent
 
 
-class _Context:
-    """The parts of grpc.ServicerContext the queue's handlers use."""
-
-    class Aborted(Exception):
-        pass
-
-    def __init__(self):
-        self.trailing = ()
-
-    def abort(self, code, details):
-        raise self.Aborted(code, details)
-
-    def is_active(self):
-        return True
-
-    def set_trailing_metadata(self, md):
-        self.trailing = md
-
-
 def test_issue23_1_a_batch_whose_stream_broke_is_delivered_again_to_the_same_session():
     server = RolloutQueueServer(max_message_bytes=MIB)  # handlers only, never started
     for g in ("a", "b"):
         raw = pb.PutRequest(rollouts=[_rollout_of_size(g, 1, 600_000)]).SerializeToString()
-        server.handlers["Put"].unary_unary(raw, _Context())
+        server.handlers["Put"].unary_unary(raw, HandlerContext())
     request = pb.GetBatchRequest(num_groups=2, session_id="s", request_id="r1", timeout_s=0)
-    stream = server.handlers["GetBatch"].unary_stream(request.SerializeToString(), _Context())
+    stream = server.handlers["GetBatch"].unary_stream(request.SerializeToString(),
+                                                      HandlerContext())
     first = pb.GetBatchResponse.FromString(next(stream))  # two pieces: the limit is 1 MiB
     stream.close()  # the connection broke before the second piece was sent
     again = pb.GetBatchRequest(num_groups=2, session_id="s", request_id="r2", timeout_s=0)
     pieces = [pb.GetBatchResponse.FromString(p) for p in server.handlers["GetBatch"]
-              .unary_stream(again.SerializeToString(), _Context())]
+              .unary_stream(again.SerializeToString(), HandlerContext())]
     assert pieces and pieces[0].batch_id == first.batch_id and pieces[0].redelivered
     assert sorted(m.group_id for p in pieces for m in p.rollouts) == ["a", "b"]
     assert all(len(p.SerializeToString()) <= MIB for p in pieces)
@@ -176,7 +156,7 @@ def test_issue23_2_a_held_rollout_keeps_only_its_counted_bytes():
            len_field(1, len(inner)) + inner +  # rollouts[0], with an unknown field
            len_field(999, len(payload)) + payload)  # ~1 MiB of unknown field in the request
     server = RolloutQueueServer()
-    resp = server.handlers["Put"].unary_unary(raw, _Context())
+    resp = server.handlers["Put"].unary_unary(raw, HandlerContext())
     assert resp.accepted == 1
     core = server.core
     kept = [member for group in list(core._pending.values()) + list(core._ready)
@@ -212,8 +192,8 @@ def test_issue23_3_get_batch_ack_and_stats_ids_are_capped():
     for method, request, field in cases:
         handler = server.handlers[method]
         call = handler.unary_stream if handler.response_streaming else handler.unary_unary
-        with pytest.raises(_Context.Aborted) as e:
-            out = call(request.SerializeToString(), _Context())
+        with pytest.raises(HandlerContext.Aborted) as e:
+            out = call(request.SerializeToString(), HandlerContext())
             list(out) if handler.response_streaming else out
         assert e.value.args[0] == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.args[1].startswith(f"{field}: "), e.value.args
