@@ -90,6 +90,8 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
 
     if role == "queue":
         from pipelinerl_jax.transport import RolloutQueueServer
+        from pipelinerl_jax.transport.queue_server import return_freed_buffers_to_the_os
+        return_freed_buffers_to_the_os()  # this process is the queue
         server = RolloutQueueServer.from_config(cfg.transport).start()
         print(f"RolloutQueue listening on {server.address}", flush=True)
         stop.wait()

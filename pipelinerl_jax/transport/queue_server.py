@@ -25,6 +25,7 @@ service is served too.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import signal
 import sys
 import threading
@@ -308,6 +309,19 @@ class RolloutQueueServer:
 
 # -------------------------------------------------------------------- standalone entry point
 
+def return_freed_buffers_to_the_os() -> bool:
+    """For a process that mostly serves the queue (the standalone server, the launcher's
+    queue role). glibc raises its mmap threshold after large buffers are freed, so later
+    multi-MiB requests come from the heap and stay in the process once freed: in the soak
+    benchmark RSS reached 265 MB for a 64 MiB capacity, 189 MB with a fixed 128 KiB
+    threshold, which makes every large buffer its own mapping, unmapped when freed. Returns
+    whether it applied (False off glibc)."""
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10) == 1  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def _parse_args(argv):
     p = argparse.ArgumentParser(description="Run the RolloutQueue gRPC server.")
     p.add_argument("--host", default=DEFAULT_HOST)
@@ -340,6 +354,7 @@ def _parse_args(argv):
 
 def main(argv=None) -> int:
     args = _parse_args(argv)
+    return_freed_buffers_to_the_os()
     tls = None
     if args.tls_cert_file or args.tls_key_file:
         tls = TLSConfig(cert_file=args.tls_cert_file, key_file=args.tls_key_file)
