@@ -263,14 +263,13 @@ def main(argv=None) -> dict:
             books["batches"] += 1
         pending.append(batch.batch_id)
         version += 1
-        if ack_now or len(pending) >= args.ack_every:
-            learner.ack(pending)
-            pending.clear()
-        if books["batches"] and books["batches"] % args.restart_every == 0 and \
-                not ack_now and books["restarts"] < books["batches"] // args.restart_every:
-            books["restarts"] += 1  # a learner restart: unacked batches come back
+        if not ack_now and books["restarts"] < books["batches"] // args.restart_every:
+            books["restarts"] += 1  # a learner restart before its ack: those batches come back
             pending.clear()
             learner.new_session()
+        elif ack_now or len(pending) >= args.ack_every:
+            learner.ack(pending)
+            pending.clear()
         return True
 
     t0 = time.monotonic()

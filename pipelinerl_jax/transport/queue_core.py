@@ -121,7 +121,7 @@ class _Bounded(collections.OrderedDict):
     `max_entries` entries or `max_bytes` bytes (key length + `ENTRY_OVERHEAD` per entry)."""
 
     # CPython's cost of one entry beyond the key's characters: the str object's header, the
-    # ordered dict's slot and link node (measured: ~150-190 bytes).
+    # ordered dict's slot and link node (measured with tracemalloc: ~140 bytes, CPython 3.11).
     ENTRY_OVERHEAD = 200
 
     def __init__(self, max_entries: int = _REMEMBER, max_bytes: int = REMEMBER_BYTES):
