@@ -45,7 +45,7 @@ from pipelinerl_jax.transport.queue_client import (  # noqa: E402
 CTX = mp.get_context("spawn")
 
 
-def _group(gid: str, size: int, completion: int, version: int, seed: int) -> list:
+def make_group(gid: str, size: int, completion: int, version: int, seed: int) -> list:
     rng = np.random.default_rng(seed)
     return [types.Rollout(
         prompt_ids=rng.integers(0, 1000, 32).astype(np.int32),
@@ -74,7 +74,7 @@ def producer_main(address: str, index: int, rate: float, args: dict, stop, out_q
         next_t += 1.0 / rate
         if now - seen_at > 0.5:  # sample with the learner's current version, as an engine
             version, seen_at = max(0, int(client.stats()["learner_version"])), now
-        group = _group(f"p{index}-{n}", args["group_size"], args["completion"], version, n)
+        group = make_group(f"p{index}-{n}", args["group_size"], args["completion"], version, n)
         counts["groups_offered"] += 1
         try:
             if args["abandon_every"] and n % args["abandon_every"] == args["abandon_every"] - 1:
@@ -93,7 +93,7 @@ def producer_main(address: str, index: int, rate: float, args: dict, stop, out_q
     client.close()
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
     learner = RolloutQueueClient(address)
     learner.wait_ready(30)
     learner.set_version(0)
-    rss_start = _rss_mb(server.pid)
+    rss_start = rss_mb(server.pid)
 
     consume_rate = args.batch_groups / args.step_s  # groups/s
     stop, out_q = CTX.Event(), CTX.Queue()
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
             s = learner.stats()
             samples.append({k: s[k] for k in ("held_rollouts", "held_bytes", "ready_groups",
                                               "pending_groups", "put_refused_full")})
-            rss.append(_rss_mb(server.pid))
+            rss.append(rss_mb(server.pid))
     threading.Thread(target=monitor, daemon=True).start()
 
     version = delivered_rollouts = delivered_groups = partial = duplicates = 0
@@ -197,7 +197,7 @@ def main(argv=None) -> dict:
         pass
     final = learner.stats()
     done.set()
-    rss_end = _rss_mb(server.pid)
+    rss_end = rss_mb(server.pid)
     server.terminate()
     server.wait(15)
 

@@ -90,6 +90,8 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
 
     if role == "queue":
         from pipelinerl_jax.transport import RolloutQueueServer
+        from pipelinerl_jax.transport.queue_server import return_freed_buffers_to_the_os
+        return_freed_buffers_to_the_os()  # this process is the queue
         server = RolloutQueueServer.from_config(cfg.transport).start()
         print(f"RolloutQueue listening on {server.address}", flush=True)
         stop.wait()
@@ -161,6 +163,7 @@ def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.E
     client.wait_ready(60.0)
     worker = RolloutWorker(cfg, engine, task, tok, client, worker_index=index, workdir=workdir)
     sub = WeightSubscriber(weights_address(cfg.transport), worker.on_weights,
+                           expected_shapes=engine.weight_shapes(),
                            **subscriber_kwargs(cfg.transport))
     threading.Thread(target=lambda: (stop.wait(), worker.stop()), daemon=True).start()
     try:

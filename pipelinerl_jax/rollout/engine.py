@@ -145,6 +145,13 @@ class InferenceEngine(abc.ABC):
         `allow_older`, which lag injection uses to install an older version on purpose), else
         `ValueError` naming both. With `wait`, returns once the version is live."""
 
+    def weight_shapes(self) -> Optional[Dict[str, tuple]]:
+        """`{name: shape}` of the flat weights `update_weights` takes, for engines that take
+        arrays: a weight subscriber refuses a version with other names or shapes before
+        allocating anything for it. None (the default): no such expectation (e.g. weights
+        that arrive as an HF directory)."""
+        return None
+
     @abc.abstractmethod
     def pause(self) -> None:
         """Stops generating after the current step (requests stay queued / in flight)."""

@@ -227,6 +227,11 @@ class JaxEngine(SlotScheduler, InferenceEngine):
             values.append(var.replace(jax.device_put(arr, svar.get_value())))
         return jax.tree_util.tree_unflatten(treedef, values)
 
+    def weight_shapes(self) -> Dict[str, tuple]:
+        leaves = jax.tree_util.tree_flatten_with_path(
+            self._abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        return {sharding_lib.path_name(p): tuple(var.shape) for p, var in leaves}
+
     @property
     def version(self) -> int:
         return self._version

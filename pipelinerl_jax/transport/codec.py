@@ -165,7 +165,6 @@ class RolloutInfo:
     group_size: int
     min_version: int
     max_version: int
-    nbytes: int
 
 
 def validate_rollout(m: pb.Rollout, limits: Limits,
@@ -240,7 +239,7 @@ def validate_rollout(m: pb.Rollout, limits: Limits,
             raise InvalidRollout("metrics", f"key {k[:40]!r} is empty or too long")
         if not math.isfinite(v):
             raise InvalidRollout(f"metrics[{k}]", f"must be finite, got {v}")
-    return RolloutInfo(m.group_id, m.group_size, int(version.min()), newest, m.ByteSize())
+    return RolloutInfo(m.group_id, m.group_size, int(version.min()), newest)
 
 
 def _validate_episode_arrays(m: pb.Rollout, c: int) -> None:

@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 from typing import Optional
 
@@ -18,7 +17,7 @@ from ml_collections import ConfigDict, config_dict
 from pipelinerl_jax.config import ConfigError, check_keys, get, number, one_of, positive_int
 from pipelinerl_jax.transport.codec import Limits
 from pipelinerl_jax.transport.queue_core import STALE_POLICIES
-from pipelinerl_jax.transport.security import TLSConfig, load_token
+from pipelinerl_jax.transport.security import TLSConfig, check_bind, load_token
 
 _MIB = 1 << 20
 
@@ -60,15 +59,6 @@ def transport_config() -> ConfigDict:
 
 def _key(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _checked(prefix: str, fn, cfg, name: str, *args, **kwargs):
@@ -121,13 +111,22 @@ def validate_transport_config(cfg, prefix: str = "transport") -> None:
     if bool(v["tls_cert_file"]) != bool(v["tls_key_file"]):
         raise ConfigError(k("tls_key_file" if v["tls_cert_file"] else "tls_cert_file"),
                           "tls_cert_file and tls_key_file must be set together")
-    secured = v["auth_token"] or v["auth_token_file"] or v["tls_cert_file"]
-    remote = [n for n in ("host", "queue_host", "weights_host")
-              if v[n] is not None and not _is_loopback(v[n])]
-    if remote and not secured and not v["allow_insecure_remote"]:
-        raise ConfigError(k(remote[0]), f"{v[remote[0]]!r} is not a loopback address and "
-                          "neither a token nor TLS is configured; set auth_token(_file) or "
-                          "tls_* or allow_insecure_remote=True")
+    for name in ("auth_token", "auth_token_file"):
+        if v[name]:
+            try:  # the same reading the servers and clients do
+                load_token(**{name.replace("auth_", ""): v[name]})
+            except (OSError, ValueError) as e:
+                raise ConfigError(k(name), str(e)) from None
+    secured = bool(v["auth_token"] or v["auth_token_file"] or v["tls_cert_file"])
+    for name in ("host", "queue_host", "weights_host"):
+        if v[name] is None:
+            continue
+        try:
+            check_bind(v[name], secured, v["allow_insecure_remote"])
+        except ValueError:
+            raise ConfigError(k(name), f"{v[name]!r} is not a loopback address and neither a "
+                              "token nor TLS is configured; set auth_token(_file) or tls_* or "
+                              "allow_insecure_remote=True") from None
 
 
 # ------------------------------------------------------------------------- helpers

@@ -1,10 +1,15 @@
 """Python client of the RolloutQueue: producers `put_group`, the learner `get_batch`/`ack`.
 
-Retries: transient codes (RESOURCE_EXHAUSTED = backpressure, UNAVAILABLE = server down or
-restarting, DEADLINE_EXCEEDED) are retried with capped exponential backoff and jitter; every
+Retries: transient codes (UNAVAILABLE = server down or restarting, DEADLINE_EXCEEDED, and for
+puts the queue's backpressure) are retried with capped exponential backoff and jitter; every
 put carries a fresh `request_id`, reused by its retries, so a retry of a put the server already
-applied is not stored twice. INVALID_ARGUMENT / FAILED_PRECONDITION raise `RolloutRejected`
-with the server's reason and the offending `field`. `retry_counts` counts retries by code.
+applied is not stored twice. Backpressure is a RESOURCE_EXHAUSTED that the server marks
+(`queue_server.BACKPRESSURE_KEY` in the trailing metadata); any other RESOURCE_EXHAUSTED
+(gRPC refusing an oversized message or metadata) is final, never retried. INVALID_ARGUMENT /
+FAILED_PRECONDITION raise `RolloutRejected` with the server's reason and the offending
+`field`. A put is refused here, before sending, when it exceeds `max_message_bytes` or one of
+its rollouts could never be delivered in a batch (`queue_core.max_rollout_bytes`).
+`retry_counts` counts retries by code.
 """
 from __future__ import annotations
 
@@ -21,13 +26,14 @@ from pipelinerl_jax import types
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import rollout_pb2_grpc as pb_grpc
 from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb
-from pipelinerl_jax.transport.queue_server import DEFAULT_MAX_MESSAGE_BYTES, SERVICE
+from pipelinerl_jax.transport.queue_core import max_rollout_bytes
+from pipelinerl_jax.transport.queue_server import (
+    BACKPRESSURE_KEY, DEFAULT_MAX_MESSAGE_BYTES, SERVICE)
 from pipelinerl_jax.transport.security import (  # noqa: F401 (RetryPolicy re-exported)
     RetryPolicy, TLSConfig, call_metadata, make_channel)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-_PUT_RETRY = _TRANSIENT | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _REJECT = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
 
 
@@ -55,21 +61,41 @@ class SessionSupersededError(TransportError):
     """Another consumer session took over the queue (a newer learner process)."""
 
 
-def _too_large(e: grpc.RpcError) -> bool:
-    """gRPC's own message-size refusal, also RESOURCE_EXHAUSTED, but never worth a retry."""
-    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (
-        e.details() or "")
+def _transient(e: grpc.RpcError) -> bool:
+    return e.code() in _TRANSIENT
 
 
-def _translate(e: grpc.RpcError) -> TransportError:
+def _backpressure(e: grpc.RpcError) -> bool:
+    """The queue's own "full, retry later" (marked), not gRPC's size refusals."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    try:
+        return any(key == BACKPRESSURE_KEY for key, _ in (e.trailing_metadata() or ()))
+    except Exception:  # noqa: BLE001 - an error without metadata (e.g. raised client-side)
+        return False
+
+
+def _put_retryable(e: grpc.RpcError) -> bool:
+    return _transient(e) or _backpressure(e)
+
+
+def _translate(e: grpc.RpcError, receiving: bool = False,
+               max_message_bytes: int = 0) -> TransportError:
+    """The TransportError for a failed call; `receiving`: the call fetched a batch."""
     code, details = e.code(), e.details() or ""
-    if _too_large(e):
-        return RolloutRejected(code, f"request: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not _backpressure(e):
+        if receiving and "larger than max" in details:
+            return TransportError(code, f"{details}: a batch piece exceeds this client's "
+                                        f"max_message_bytes={max_message_bytes}; give the "
+                                        "client the server's transport.max_message_bytes")
+        if "larger than max" in details:
+            return RolloutRejected(code, f"request: {details}")
+        return TransportError(code, details)
     if code in _REJECT:
         if "superseded" in details:
             return SessionSupersededError(code, details)
         return RolloutRejected(code, details)
-    if code in _PUT_RETRY:
+    if code in _TRANSIENT or code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return QueueUnavailable(code, details)
     return TransportError(code, details)
 
@@ -138,7 +164,8 @@ class RolloutQueueClient:
 
     # ---------------------------------------------------------------- plumbing
 
-    def _retrying(self, call, retryable, timeout_s: Optional[float]):
+    def _retrying(self, call, retryable, timeout_s: Optional[float], receiving: bool = False):
+        """`call()`, retried while `retryable(error)` and before `timeout_s` runs out."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         attempt = 0
         while True:
@@ -146,9 +173,8 @@ class RolloutQueueClient:
                 return call()
             except grpc.RpcError as e:
                 now = time.monotonic()
-                if e.code() not in retryable or _too_large(e) or (
-                        deadline is not None and now >= deadline):
-                    raise _translate(e) from None
+                if not retryable(e) or (deadline is not None and now >= deadline):
+                    raise _translate(e, receiving, self.max_message_bytes) from None
                 self.retry_counts[e.code().name] += 1
                 delay = self.retry.delay(attempt)
                 time.sleep(delay if deadline is None else min(delay, deadline - now))
@@ -160,6 +186,13 @@ class RolloutQueueClient:
         request = pb.PutRequest(rollouts=[rollout_to_pb(r) for r in rollouts],
                                 request_id=uuid.uuid4().hex, hold_s=self.hold_s,
                                 producer_id=self.producer_id)
+        most = max_rollout_bytes(self.max_message_bytes)
+        for i, m in enumerate(request.rollouts):
+            if m.ByteSize() > most:  # the server would refuse it: it could never be delivered
+                raise RolloutRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"rollouts[{i}]: {m.ByteSize()} bytes serialized; a "
+                                      f"batch can carry at most {most} (max_message_bytes="
+                                      f"{self.max_message_bytes} minus framing)")
         size = request.ByteSize()
         if size > self.max_message_bytes:  # would be refused by gRPC on every retry
             raise RolloutRejected(grpc.StatusCode.INVALID_ARGUMENT,
@@ -178,7 +211,7 @@ class RolloutQueueClient:
         resp = self._retrying(
             lambda: self._stub.Put(request, timeout=self.hold_s + self.rpc_timeout_s,
                                    metadata=self._md),
-            _PUT_RETRY, timeout_s)
+            _put_retryable, timeout_s)
         return PutResult(resp.accepted, resp.duplicate)
 
     def put_group(self, rollouts: Sequence[types.Rollout],
@@ -213,14 +246,16 @@ class RolloutQueueClient:
                 for k, resp in enumerate(responses):
                     i = todo[k]
                     code = _CODES.get(resp.code, grpc.StatusCode.UNKNOWN)
-                    if code in _PUT_RETRY:
+                    # Per-item codes come from the queue itself: RESOURCE_EXHAUSTED here is
+                    # always its backpressure.
+                    if code in _TRANSIENT or code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         self.retry_counts[code.name] += 1
                         again.append(i)
                     else:
                         results[i] = PutResult(resp.accepted, resp.duplicate, code,
                                                resp.message, resp.field)
             except grpc.RpcError as e:
-                if e.code() not in _PUT_RETRY:
+                if not _put_retryable(e):
                     raise _translate(e) from None
                 self.retry_counts[e.code().name] += 1
             again += [i for i in todo if results[i] is None and i not in again]
@@ -260,7 +295,7 @@ class RolloutQueueClient:
             return list(self._stub.GetBatch(
                 request, timeout=request.timeout_s + self.rpc_timeout_s, metadata=self._md))
 
-        pieces = self._retrying(call, _TRANSIENT, timeout_s)
+        pieces = self._retrying(call, _transient, timeout_s, receiving=True)
         if not pieces:
             return None
         head = pieces[0]
@@ -272,7 +307,7 @@ class RolloutQueueClient:
         """Acknowledges committed batches (idempotent); returns how many were outstanding."""
         request = pb.AckRequest(batch_ids=list(batch_ids))
         resp = self._retrying(lambda: self._stub.Ack(request, timeout=self.rpc_timeout_s,
-                                                     metadata=self._md), _TRANSIENT, timeout_s)
+                                                     metadata=self._md), _transient, timeout_s)
         return resp.acked
 
     def set_version(self, version: int, timeout_s: float = 60.0,
@@ -281,7 +316,7 @@ class RolloutQueueClient:
         BEFORE publishing weights `version`."""
         request = pb.SetVersionRequest(version=version, max_lag=max_lag)
         resp = self._retrying(lambda: self._stub.SetVersion(
-            request, timeout=self.rpc_timeout_s, metadata=self._md), _TRANSIENT, timeout_s)
+            request, timeout=self.rpc_timeout_s, metadata=self._md), _transient, timeout_s)
         return resp.version
 
     def new_session(self) -> str:
@@ -293,8 +328,8 @@ class RolloutQueueClient:
 
     def stats(self, timeout_s: float = 60.0) -> dict:
         resp = self._retrying(lambda: self._stub.GetStats(
-            pb.StatsRequest(producer_id=self.producer_id), timeout=self.rpc_timeout_s, metadata=self._md),
-            _TRANSIENT, timeout_s)
+            pb.StatsRequest(producer_id=self.producer_id), timeout=self.rpc_timeout_s,
+            metadata=self._md), _transient, timeout_s)
         return _to_dict(resp)
 
     def wait_ready(self, deadline_s: float = 30.0) -> None:

@@ -26,6 +26,17 @@ Every dropped group is also counted for the producer that put it (`put(producer_
 batch for the group learns it will never arrive and frees the place.
 
 Delivery is at-least-once, per consumer session (see `get_batch`).
+
+Sizes and memory. Every delivered piece of a batch must fit the server's
+`max_message_bytes`, so a rollout is refused at put time when it could never be delivered
+(serialized larger than `max_rollout_bytes(max_message_bytes)`: the limit minus
+`MESSAGE_FRAMING_BYTES`), and batches are cut into pieces of at most `PIECE_BYTES`, never
+more than the limit allows. What the queue keeps of a rollout is its serialized bytes (the
+caller has dropped unknown fields), an immutable copy that references no request: the bytes
+counted against `capacity_bytes` are the bytes held. The tables that remember ids after their
+groups are gone (request ids for idempotency, closed group ids, old sessions, producers'
+drop counts) are bounded in entries and in bytes (`remember_bytes` each), oldest forgotten
+first.
 """
 from __future__ import annotations
 
@@ -38,11 +49,23 @@ import uuid
 from typing import Callable, Optional, Sequence
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
+from pipelinerl_jax.transport import wire
 from pipelinerl_jax.transport.codec import InvalidRollout, RolloutInfo
 
 STALE_POLICIES = ("drop", "keep")
-_REMEMBER = 65536  # request ids / closed group ids / old sessions remembered (bounded)
+_REMEMBER = 65536  # request ids / closed group ids / old sessions remembered (bounded) ...
+REMEMBER_BYTES = 8 << 20  # ... and at most this many bytes per table
 PIECE_BYTES = 4 << 20  # a delivered batch streams in pieces of about this size
+# Room a GetBatchResponse piece needs around one rollout (batch id, counts, versions, the
+# delivery fields, the rollout's tag and length): a generous bound of the ~130 it takes.
+MESSAGE_FRAMING_BYTES = 1024
+_PIECE_HEAD_ROOM = 256  # head + delivery tail of a piece (< 100 bytes), with room to spare
+_ROLLOUTS_FIELD = pb.GetBatchResponse.DESCRIPTOR.fields_by_name["rollouts"].number
+
+
+def max_rollout_bytes(max_message_bytes: int) -> int:
+    """The largest serialized rollout a batch piece can carry within `max_message_bytes`."""
+    return max_message_bytes - MESSAGE_FRAMING_BYTES
 
 
 def _check_max_lag(max_lag: Optional[int]) -> None:
@@ -74,8 +97,7 @@ class SessionSuperseded(Exception):
 class _Group:
     group_id: str
     size: int
-    members: list
-    sizes: list
+    members: list             # serialized rollouts (bytes), in arrival order
     nbytes: int = 0
     min_version: int = 0
     max_version: int = 0
@@ -95,25 +117,44 @@ class Batch:
 
 
 class _Bounded(collections.OrderedDict):
-    """An insertion-ordered dict that forgets its oldest entries past `_REMEMBER`."""
+    """An insertion-ordered dict of string keys that forgets its oldest entries past
+    `max_entries` entries or `max_bytes` bytes (key length + `ENTRY_OVERHEAD` per entry)."""
 
-    def add(self, key, value=True):
+    # CPython's cost of one entry beyond the key's characters: the str object's header, the
+    # ordered dict's slot and link node (measured with tracemalloc: ~140 bytes, CPython 3.11).
+    ENTRY_OVERHEAD = 200
+
+    def __init__(self, max_entries: int = _REMEMBER, max_bytes: int = REMEMBER_BYTES):
+        super().__init__()
+        self.max_entries, self.max_bytes, self.nbytes = max_entries, max_bytes, 0
+
+    def add(self, key: str, value=True):
+        if key not in self:
+            self.nbytes += len(key) + self.ENTRY_OVERHEAD
         self[key] = value
-        if len(self) > _REMEMBER:
-            self.popitem(last=False)
+        while self and (len(self) > self.max_entries or self.nbytes > self.max_bytes):
+            old, _ = self.popitem(last=False)
+            self.nbytes -= len(old) + self.ENTRY_OVERHEAD
 
 
 class QueueCore:
     def __init__(self, capacity_rollouts: int = 4096, capacity_bytes: int = 1 << 30,
                  max_lag: Optional[int] = None, stale_policy: str = "drop",
                  incomplete_group_timeout_s: float = 600.0, max_concurrent_holds: int = 16,
-                 clock: Callable = time.monotonic):
+                 clock: Callable = time.monotonic, max_message_bytes: int = 64 << 20,
+                 remember_bytes: int = REMEMBER_BYTES):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
         self.capacity_rollouts, self.capacity_bytes = capacity_rollouts, capacity_bytes
         self.max_lag, self.stale_policy = max_lag, stale_policy
         self.incomplete_group_timeout_s = incomplete_group_timeout_s
         self.max_concurrent_holds = max_concurrent_holds
+        if max_message_bytes < 2 * MESSAGE_FRAMING_BYTES:
+            raise ValueError(f"max_message_bytes must be >= {2 * MESSAGE_FRAMING_BYTES}, got "
+                             f"{max_message_bytes}")
+        self.max_message_bytes = max_message_bytes
+        self.max_rollout_bytes = max_rollout_bytes(max_message_bytes)
+        self._piece_bytes = min(PIECE_BYTES, max_message_bytes - _PIECE_HEAD_ROOM)
         self._holding = 0
         self.server_id = uuid.uuid4().hex[:12]
         self._clock = clock
@@ -125,7 +166,8 @@ class QueueCore:
         self._ready: "collections.deque[_Group]" = collections.deque()
         self._outstanding: "collections.OrderedDict[str, Batch]" = collections.OrderedDict()
         self._redeliver: "collections.deque[str]" = collections.deque()
-        self._requests, self._closed_groups, self._old_sessions = _Bounded(), _Bounded(), _Bounded()
+        self._requests, self._closed_groups, self._old_sessions, self.producer_drops = (
+            _Bounded(max_bytes=remember_bytes) for _ in range(4))  # producer_drops: id -> n
         self._session: Optional[str] = None
         self._last_get: Optional[tuple[str, str]] = None  # (request_id, batch_id)
         self._seq = itertools.count(1)
@@ -133,7 +175,6 @@ class QueueCore:
         self.counters = collections.Counter()
         self.dropped_groups, self.dropped_rollouts = collections.Counter(), collections.Counter()
         self.lag_histogram = collections.Counter()
-        self.producer_drops = _Bounded()  # producer_id -> groups of its dropped
         self.max_held_rollouts = self.max_held_bytes = 0
 
     # ---------------------------------------------------------------- version
@@ -156,14 +197,23 @@ class QueueCore:
 
     # ---------------------------------------------------------------- put
 
-    def put(self, rollouts: Sequence[pb.Rollout], infos: Sequence[RolloutInfo],
+    def put(self, rollouts: Sequence[bytes], infos: Sequence[RolloutInfo],
             request_id: str = "", hold_s: float = 0.0,
             producer_id: str = "") -> tuple[int, bool]:
-        """Stores all rollouts or none; returns (accepted, duplicate). Groups started by this
-        request are `producer_id`'s (their drops are counted for it).
+        """Stores all rollouts or none; returns (accepted, duplicate). `rollouts` are
+        serialized `pb.Rollout`s (kept as given, counted by their length), `infos` what
+        `codec.validate_rollout` said of them. Groups started by this request are
+        `producer_id`'s (their drops are counted for it).
 
-        Raises GroupRejected (bad group membership), NoVersionYet, QueueFull.
+        Raises InvalidRollout (a rollout too large to ever be delivered), GroupRejected (bad
+        group membership), NoVersionYet, QueueFull.
         """
+        for i, data in enumerate(rollouts):
+            if len(data) > self.max_rollout_bytes:
+                raise InvalidRollout(
+                    f"rollouts[{i}]", f"{len(data)} bytes serialized; a batch can carry at "
+                    f"most {self.max_rollout_bytes} (max_message_bytes="
+                    f"{self.max_message_bytes} minus {MESSAGE_FRAMING_BYTES} of framing)")
         deadline = self._clock() + max(0.0, hold_s)
         holding = False  # counted in self._holding while this put waits for room
         with self._cv:
@@ -173,7 +223,7 @@ class QueueCore:
                     if request_id and request_id in self._requests:
                         self.counters["put_duplicates"] += 1
                         return 0, True
-                    need_slots, need_bytes = self._plan_locked(infos)  # raises GroupRejected
+                    need_slots, need_bytes = self._plan_locked(rollouts, infos)  # GroupRejected
                     if self.learner_version is None and any(i.max_version > 0 for i in infos):
                         self.counters["put_refused_no_version"] += 1
                         raise NoVersionYet("no learner version announced yet; rollouts with "
@@ -205,7 +255,8 @@ class QueueCore:
             self._cv.notify_all()
             return len(rollouts), False
 
-    def _plan_locked(self, infos: Sequence[RolloutInfo]) -> tuple[int, int]:
+    def _plan_locked(self, rollouts: Sequence[bytes],
+                     infos: Sequence[RolloutInfo]) -> tuple[int, int]:
         """Checks group membership; returns (new rollout slots, bytes) the request needs."""
         per_group: dict[str, list[int]] = {}
         for i, info in enumerate(infos):
@@ -233,7 +284,7 @@ class QueueCore:
                 raise GroupRejected(f"rollouts[{first}].group_id",
                                     f"group {gid!r} would have {have + len(idx)} members, "
                                     f"group_size is {size}")
-            piece = sum(infos[i].nbytes for i in idx)
+            piece = sum(len(rollouts[i]) for i in idx)
             if group is None:
                 if size > self.capacity_rollouts:
                     raise GroupRejected(f"rollouts[{first}].group_size",
@@ -253,21 +304,20 @@ class QueueCore:
 
     def _store_locked(self, rollouts, infos, producer_id: str = "") -> None:
         now = self._clock()
-        for m, info in zip(rollouts, infos):
+        for data, info in zip(rollouts, infos):
             group = self._pending.get(info.group_id)
             if group is None:
-                group = _Group(info.group_id, info.group_size, [], [], 0,
+                group = _Group(info.group_id, info.group_size, [], 0,
                                info.min_version, info.max_version, producer=producer_id)
                 self._pending[info.group_id] = group
                 self._held_rollouts += group.size
-            group.members.append(m)
-            group.sizes.append(info.nbytes)
-            group.nbytes += info.nbytes
+            group.members.append(data)
+            group.nbytes += len(data)
             group.min_version = min(group.min_version, info.min_version)
             group.max_version = max(group.max_version, info.max_version)
             group.updated = now
             self._pending.move_to_end(info.group_id)
-            self._held_bytes += info.nbytes
+            self._held_bytes += len(data)
             if len(group.members) == group.size:
                 del self._pending[info.group_id]
                 self._closed_groups.add(info.group_id, "complete")
@@ -337,6 +387,8 @@ class QueueCore:
             if request_id and self._last_get and self._last_get[0] == request_id:
                 batch = self._outstanding.get(self._last_get[1])
                 if batch is not None:
+                    if batch.batch_id in self._redeliver:  # (its stream broke: now resent)
+                        self._redeliver.remove(batch.batch_id)
                     return batch
             if self._redeliver:
                 batch = self._outstanding[self._redeliver.popleft()]
@@ -357,7 +409,7 @@ class QueueCore:
                     return None
                 self._cv.wait(min(remaining, 0.5))
                 if self._session != session_id:
-                    raise SessionSuperseded(f"session {session_id} was superseded")
+                    raise SessionSuperseded(f"session_id: session {session_id} was superseded")
 
     def _switch_session_locked(self, session_id: str) -> None:
         if not session_id:
@@ -365,7 +417,8 @@ class QueueCore:
         if session_id == self._session:
             return
         if session_id in self._old_sessions:
-            raise SessionSuperseded(f"session {session_id} was superseded by a newer one")
+            raise SessionSuperseded(f"session_id: session {session_id} was superseded by a newer "
+                                    "one")
         if self._session is not None:
             self._old_sessions.add(self._session)
         self._session = session_id
@@ -393,31 +446,45 @@ class QueueCore:
     def _cut_locked(self, num_groups: int) -> Batch:
         version = self.learner_version if self.learner_version is not None else 0
         batch_id = f"{self.server_id}-{next(self._seq):010d}"
-        pieces, msg, piece_bytes = [], None, 0
+        # Pieces are GetBatchResponses framed by hand around the stored rollout bytes (one
+        # copy, by the join). A piece holds rollouts up to `_piece_bytes`; a rollout larger
+        # than that goes alone (put refused anything that would not fit the message limit).
+        head = pb.GetBatchResponse(batch_id=batch_id, num_groups=num_groups,
+                                   learner_version=version).SerializeToString()
+        pieces, parts, piece_bytes = [], [], len(head)
         n = nbytes = 0
         for _ in range(num_groups):
             group = self._ready.popleft()
-            for m, size in zip(group.members, group.sizes):
-                if msg is None or piece_bytes + size > PIECE_BYTES and msg.rollouts:
-                    if msg is not None:
-                        pieces.append(msg.SerializeToString())
-                    msg, piece_bytes = pb.GetBatchResponse(
-                        batch_id=batch_id, num_groups=num_groups, learner_version=version), 0
-                msg.rollouts.append(m)
-                piece_bytes += size
+            for data in group.members:
+                framed = wire.len_field(_ROLLOUTS_FIELD, len(data))
+                if parts and piece_bytes + len(framed) + len(data) > self._piece_bytes:
+                    pieces.append(b"".join([head, *parts]))
+                    parts, piece_bytes = [], len(head)
+                parts += (framed, data)
+                piece_bytes += len(framed) + len(data)
             n += len(group.members)
             nbytes += group.nbytes
             lag = version - group.min_version
             self.lag_histogram[lag] += 1
             if self.max_lag is not None and lag > self.max_lag:
                 self.counters["stale_kept_groups"] += 1
-        pieces.append(msg.SerializeToString())
+        pieces.append(b"".join([head, *parts]))
         batch = Batch(batch_id, pieces, num_groups, n, nbytes, version)
         self._outstanding[batch_id] = batch
         self.counters["batches_delivered"] += 1
         self.counters["groups_delivered"] += num_groups
         self.counters["rollouts_delivered"] += n
         return batch
+
+    def unsent(self, batch_id: str) -> None:
+        """The stream carrying `batch_id` broke before its last piece went out: the batch is
+        delivered again, first, to the session's next `get_batch` (not lost until a new
+        session)."""
+        with self._cv:
+            if batch_id in self._outstanding and batch_id not in self._redeliver:
+                self._redeliver.appendleft(batch_id)
+                self.counters["batches_unsent"] += 1
+                self._cv.notify_all()
 
     def ack(self, batch_ids: Sequence[str]) -> tuple[int, list[str]]:
         """Forgets acknowledged batches; unknown ids (acked before, other server) are listed."""
@@ -468,6 +535,12 @@ class QueueCore:
             s.dropped_rollouts.update(self.dropped_rollouts)
             s.lag_histogram.update(self.lag_histogram)
             return s
+
+    def remembered_bytes(self) -> int:
+        """Bytes (as `_Bounded` counts them) of the ids remembered beyond their groups."""
+        with self._cv:
+            return sum(t.nbytes for t in (self._requests, self._closed_groups,
+                                          self._old_sessions, self.producer_drops))
 
     def count_invalid(self) -> None:
         with self._cv:

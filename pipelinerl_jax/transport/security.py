@@ -1,9 +1,15 @@
 """Plumbing shared by the queue and weight services: auth, TLS, size limits, retry backoff.
 
-Defaults are safe for one machine: servers bind 127.0.0.1 unless an address is given.
+Defaults are safe for one machine: servers bind 127.0.0.1 unless an address is given, and
+`check_bind` refuses a non-loopback bind without a token or TLS (the config validation and
+the standalone server both call it).
 - Auth: an optional shared token. Clients send metadata `authorization: Bearer <token>` on
-  every call; a server interceptor compares it in constant time (`hmac.compare_digest`) and
-  answers anything else with UNAUTHENTICATED before the handler runs.
+  every call; a server interceptor compares SHA-256 digests of what it got and what it
+  expects with `hmac.compare_digest` (constant time, whatever the lengths) and answers
+  anything else with UNAUTHENTICATED before the handler runs.
+- Token files are read by `load_token`, by servers and clients alike: the token is the
+  file's first line without surrounding whitespace; it must be 1-1024 visible ASCII
+  characters (what an HTTP/2 header value carries), else a ValueError names the file.
 - TLS: optional; the server presents `cert_file`/`key_file`, the client trusts `ca_file`
   (and may check the certificate against `server_name` instead of the dialled host).
 - Message sizes are always set explicitly on both sides (gRPC's implicit 4 MiB receive limit
@@ -12,7 +18,9 @@ Defaults are safe for one machine: servers bind 127.0.0.1 unless an address is g
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
+import ipaddress
 import random
 from concurrent import futures
 from typing import Optional, Sequence
@@ -21,6 +29,7 @@ import grpc
 
 DEFAULT_HOST = "127.0.0.1"
 _AUTH_KEY = "authorization"
+MAX_TOKEN_CHARS = 1024  # gRPC refuses metadata past 8-16 KiB; a token needs far less
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +58,55 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
+def check_token(token: str, source: str = "token") -> str:
+    """`token` if it can travel as `authorization: Bearer <token>`; ValueError otherwise."""
+    if not token:
+        raise ValueError(f"{source}: the token is empty")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ValueError(f"{source}: the token is longer than {MAX_TOKEN_CHARS} characters")
+    bad = next((c for c in token if not "\x21" <= c <= "\x7e"), None)
+    if bad is not None:
+        raise ValueError(f"{source}: the token holds the character {bad!r}; only visible "
+                         "ASCII characters (no spaces) are allowed")
+    return token
+
+
 def load_token(token: Optional[str] = None, token_file: Optional[str] = None) -> Optional[str]:
-    """The shared token from a value or a file (first line, stripped); None = auth off."""
+    """The shared token from a value or a file; None = auth off.
+
+    A file's token is its first line, stripped of surrounding whitespace (later lines are
+    ignored: room for a comment). Either way the token is checked by `check_token`."""
     if token:
-        return token
+        return check_token(token)
     if token_file:
-        value = _read(token_file).decode().strip()
-        if not value:
-            raise ValueError(f"token file {token_file} is empty")
-        return value
+        with open(token_file, "rb") as f:
+            first = f.readline(MAX_TOKEN_CHARS + 2)  # never reads a huge file whole
+        try:
+            line = first.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"token file {token_file}: the first line is not ASCII") from None
+        if not line:
+            raise ValueError(f"token file {token_file}: the first line is empty")
+        return check_token(line, f"token file {token_file}")
     return None
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback IPs (v4 or v6, bracketed or not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, secured: bool, allow_insecure_remote: bool = False) -> None:
+    """Refuses (ValueError) a non-loopback `host` unless a token or TLS secures it."""
+    if not is_loopback(host) and not secured and not allow_insecure_remote:
+        raise ValueError(f"{host!r} is not a loopback address and neither a token nor TLS "
+                         "is configured; set a token or TLS, or allow insecure remote "
+                         "access explicitly")
 
 
 def grpc_options(max_message_bytes: int) -> list:
@@ -92,7 +140,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Rejects every call whose `authorization` metadata is not `Bearer <token>`."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -102,7 +150,8 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == _AUTH_KEY:
                 got = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(got, self._expected):
+        # Digests: equal lengths, so the comparison time says nothing about the token.
+        if hmac.compare_digest(hashlib.sha256(got).digest(), self._expected):
             return handler
         return _deny(handler, "missing or wrong bearer token" if got else
                      "missing authorization metadata (bearer token required)")

@@ -22,7 +22,14 @@ Guarantees to the subscriber's `on_weights(version, params, policy_version)` cal
 - a publisher that dies mid-stream leaves the subscriber on its last complete version; the
   subscriber reconnects with backoff and resumes when a publisher is back at the address.
   A *new* publisher instance (a restarted learner, new `publisher_id`) may start from an
-  older version (resumed checkpoint); subscribers follow it.
+  older version (resumed checkpoint); subscribers follow it;
+- a hostile or broken stream cannot take the subscriber down: every frame is read with its
+  wire types checked, a header is checked against what the subscriber accepts *before* its
+  buffer is allocated (consistent tensor specs; `total_bytes` within `max_version_bytes`
+  and this machine's physical memory; with `expected_shapes`, exactly those names and
+  shapes), and any exception while reading a version (a failed allocation included)
+  discards that version, is recorded in `last_error`/`health()`, and the subscriber
+  reconnects. The thread's loop is itself restarted if it ever raises (`thread_restarts`).
 The learner must announce version v to the RolloutQueue (`set_version`) BEFORE `publish(v)`,
 or rollouts sampled with v could be rejected as coming from the future.
 
@@ -35,9 +42,10 @@ previous callback's arrays are no longer referenced (fresh pages cost more than 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import sys
 import threading
-import time
 import uuid
 import zlib
 from concurrent import futures
@@ -45,9 +53,9 @@ from typing import Callable, Mapping, NamedTuple, Optional
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
+from pipelinerl_jax.transport import wire
 from pipelinerl_jax.transport.codec import dtype_from_name
 from pipelinerl_jax.transport.security import (
     DEFAULT_HOST, RetryPolicy, TLSConfig, call_metadata, host_port, make_channel, make_server)
@@ -64,21 +72,12 @@ def _identity(x):
     return x
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _len_field(field: int, length: int) -> bytes:
-    """Tag + length prefix of a length-delimited protobuf field (wire type 2)."""
-    return _varint(field << 3 | 2) + _varint(length)
+def _physical_memory() -> int:
+    """Bytes of RAM on this machine (no version larger than this can be held)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return 1 << 62
 
 
 class _Version:
@@ -161,8 +160,8 @@ class _Version:
         # hand around the tensor memory: the payload is copied once, by this join.
         head = pb.WeightChunk(version=self.version, index=index,
                               offset=index * self.chunk_bytes, crc32=crc).SerializeToString()
-        head += _len_field(5, length)
-        return b"".join([_len_field(2, len(head) + length), head, *pieces])
+        head += wire.len_field(5, length)
+        return b"".join([wire.len_field(2, len(head) + length), head, *pieces])
 
 
 class WeightPublisher:
@@ -265,42 +264,49 @@ class _ChunkView(NamedTuple):
     data: memoryview
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise _CorruptVersion("truncated varint")
-        b = buf[pos]
-        value |= (b & 0x7F) << shift
-        pos += 1
-        if not b & 0x80:
-            return value, pos
-        shift += 7
+# WeightChunk fields: number -> (name, wire type); the reader refuses any other wire type.
+_CHUNK_FIELDS = {1: ("version", wire.VARINT), 2: ("index", wire.VARINT),
+                 3: ("offset", wire.VARINT), 4: ("crc32", wire.FIXED32),
+                 5: ("data", wire.LEN)}
+
+
+def _signed64(value: int) -> int:
+    """A varint as int64/int32 (negative values are sent as 10-byte two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _parse_chunk(body: memoryview) -> _ChunkView:
     """WeightChunk wire format → _ChunkView, reading `data` as a view (protobuf's parser would
-    copy the payload twice: into the message, then into a new bytes object)."""
+    copy the payload twice: into the message, then into a new bytes object). Raises
+    _CorruptVersion on truncation or a known field sent with another wire type."""
     fields = {1: 0, 2: 0, 3: 0, 4: 0, 5: memoryview(b"")}
     pos = 0
-    while pos < len(body):
-        tag, pos = _read_varint(body, pos)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == 0:
-            value, pos = _read_varint(body, pos)
-        elif wire_type == 5:
-            value, pos = int.from_bytes(body[pos:pos + 4], "little"), pos + 4
-        elif wire_type == 1:
-            value, pos = int.from_bytes(body[pos:pos + 8], "little"), pos + 8
-        elif wire_type == 2:
-            n, pos = _read_varint(body, pos)
-            value, pos = body[pos:pos + n], pos + n
-        else:
-            raise _CorruptVersion(f"unsupported wire type {wire_type}")
-        if pos > len(body):
-            raise _CorruptVersion("truncated chunk")
-        if number in fields:
-            fields[number] = value
+    try:
+        while pos < len(body):
+            tag, pos = wire.read_varint(body, pos)
+            number, wire_type = tag >> 3, tag & 7
+            if wire_type == wire.VARINT:
+                value, pos = wire.read_varint(body, pos)
+                value = _signed64(value)
+            elif wire_type == wire.FIXED32:
+                value, pos = int.from_bytes(body[pos:pos + 4], "little"), pos + 4
+            elif wire_type == wire.FIXED64:
+                value, pos = int.from_bytes(body[pos:pos + 8], "little"), pos + 8
+            elif wire_type == wire.LEN:
+                n, pos = wire.read_varint(body, pos)
+                value, pos = body[pos:pos + n], pos + n
+            else:
+                raise _CorruptVersion(f"chunk: unsupported wire type {wire_type}")
+            if pos > len(body):
+                raise _CorruptVersion("chunk: truncated")
+            known = _CHUNK_FIELDS.get(number)
+            if known is not None:
+                if wire_type != known[1]:
+                    raise _CorruptVersion(f"chunk.{known[0]}: wire type {wire_type}, "
+                                          f"expected {known[1]}")
+                fields[number] = value
+    except wire.WireError as e:
+        raise _CorruptVersion(f"chunk: {e}") from None
     return _ChunkView(*(fields[i] for i in range(1, 6)))
 
 
@@ -308,9 +314,9 @@ def _parse_message(raw: bytes):
     """A WeightMessage → ('header'|'chunk'|'commit', message); chunks as _ChunkView."""
     buf = memoryview(raw)
     try:
-        tag, pos = _read_varint(buf, 0)
-        length, pos = _read_varint(buf, pos)
-    except _CorruptVersion:
+        tag, pos = wire.read_varint(buf, 0)
+        length, pos = wire.read_varint(buf, pos)
+    except wire.WireError:
         tag = pos = length = -1
     if tag == (2 << 3 | 2) and pos + length == len(buf):  # the layout our publisher sends
         return "chunk", _parse_chunk(buf[pos:])
@@ -347,24 +353,67 @@ class _BufferPool:
 
 
 class _Assembler:
-    """Collects one version's chunks into a single buffer, checking everything."""
+    """Collects one version's chunks into a single buffer, checking everything.
+
+    The header is checked before anything is allocated: tensor specs consistent (known
+    dtype, non-negative dims, `nbytes` = elements × itemsize, aligned, inside the payload),
+    `total_bytes` no more than the tensors' extent plus alignment, within `max_bytes`, and,
+    with `expected_shapes` ({name: shape}), a non-empty version carries exactly those tensors
+    (an empty one is a notification: `weight_sink.HFDirSink`).
+    """
 
     def __init__(self, header: pb.WeightHeader, max_bytes: int, pool: _BufferPool,
-                 crc_pool: Optional[futures.Executor] = None):
-        if header.total_bytes < 0 or header.total_bytes > max_bytes:
-            raise _CorruptVersion(f"total_bytes {header.total_bytes} out of range")
+                 crc_pool: Optional[futures.Executor] = None,
+                 expected_shapes: Optional[Mapping[str, tuple]] = None):
+        total = header.total_bytes
+        if total < 0 or total > max_bytes:
+            raise _CorruptVersion(f"total_bytes {total} out of range: this subscriber "
+                                  f"accepts at most {max_bytes}")
+        if not 1 <= header.num_chunks <= max(1, total):
+            raise _CorruptVersion(f"num_chunks {header.num_chunks} impossible for "
+                                  f"total_bytes {total}")
+        self.specs = self._check_specs(header, expected_shapes)
+        extent = max((off + n for _, _, _, off, n in self.specs), default=0)
+        if not extent <= total < extent + _ALIGN:
+            raise _CorruptVersion(f"total_bytes {total} does not match the tensors' extent "
+                                  f"{extent}")
         # crc32 runs on `crc_pool` (zlib releases the GIL) while the next chunk arrives.
         self.header, self.crc_pool, self.crcs = header, crc_pool, []
-        self.buffer = pool.get(header.total_bytes)
+        try:
+            self.buffer = pool.get(total)
+        except MemoryError:
+            raise _CorruptVersion(f"total_bytes {total}: cannot allocate the buffer") from None
         self.next_index = self.next_offset = 0
-        self.specs = []
-        for t in header.tensors:
-            dt = dtype_from_name(t.dtype)
-            n = int(np.prod(t.shape, dtype=np.int64)) * dt.itemsize
-            if n != t.nbytes or t.offset < 0 or t.offset + n > header.total_bytes or \
-                    t.offset % dt.itemsize:
-                raise _CorruptVersion(f"tensor {t.name!r}: inconsistent spec")
-            self.specs.append((t.name, dt, tuple(t.shape), t.offset, n))
+
+    @staticmethod
+    def _check_specs(header: pb.WeightHeader, expected: Optional[Mapping[str, tuple]]):
+        specs, names = [], set()
+        for i, t in enumerate(header.tensors):
+            where = f"tensors[{i}] ({t.name[:80]!r})"
+            if t.name in names:
+                raise _CorruptVersion(f"{where}: duplicate name")
+            names.add(t.name)
+            try:
+                dt = dtype_from_name(t.dtype)
+            except ValueError as e:
+                raise _CorruptVersion(f"{where}: {e}") from None
+            shape = tuple(t.shape)
+            if any(d < 0 for d in shape):
+                raise _CorruptVersion(f"{where}: negative dimension in {list(shape)[:8]}")
+            n = math.prod(shape) * dt.itemsize
+            if n != t.nbytes or t.offset < 0 or t.offset % dt.itemsize or \
+                    t.offset + n > header.total_bytes:
+                raise _CorruptVersion(f"{where}: inconsistent spec")
+            if expected is not None and (t.name not in expected or
+                                         tuple(expected[t.name]) != shape):
+                raise _CorruptVersion(
+                    f"{where}: shape {list(shape)[:8]} where the subscriber expects "
+                    f"{list(expected[t.name]) if t.name in expected else 'no such tensor'}")
+            specs.append((t.name, dt, shape, t.offset, n))
+        if expected is not None and specs and names != set(expected):
+            missing = sorted(set(expected) - names)[:5]
+            raise _CorruptVersion(f"tensors: missing {missing} the subscriber expects")
+        return specs
 
     def add(self, chunk) -> None:
         """`chunk`: a pb.WeightChunk or _ChunkView (same field names)."""
@@ -373,6 +422,8 @@ class _Assembler:
                 chunk.offset != self.next_offset:
             raise _CorruptVersion(f"chunk {chunk.index}@{chunk.offset} of version "
                                   f"{chunk.version} out of order")
+        if self.next_index >= h.num_chunks:
+            raise _CorruptVersion(f"more than the announced {h.num_chunks} chunks")
         data = chunk.data
         start, end = self.next_offset, self.next_offset + len(data)
         if end > h.total_bytes:
@@ -399,19 +450,69 @@ class _Assembler:
                 for name, dt, shape, off, n in self.specs}
 
 
+class _StreamReader:
+    """Reads one connection's frames into complete versions: `feed(raw)` returns
+    `(header, params)` when a commit completes a version, None otherwise, and raises
+    _CorruptVersion for anything wrong with the stream (whatever the underlying error)."""
+
+    def __init__(self, max_bytes: int, pool: _BufferPool,
+                 crc_pool: Optional[futures.Executor] = None,
+                 expected_shapes: Optional[Mapping[str, tuple]] = None):
+        self.max_bytes, self.pool, self.crc_pool = max_bytes, pool, crc_pool
+        self.expected_shapes = expected_shapes
+        self.assembler: Optional[_Assembler] = None
+        self.receiving: tuple[int, int, int] = (-1, 0, 0)  # (version, bytes so far, total)
+        self.in_progress = False  # a header arrived (accepted or not), its commit not yet
+
+    def feed(self, raw: bytes):
+        try:
+            return self._feed(raw)
+        except _CorruptVersion:
+            raise
+        except Exception as e:  # DecodeError, a failed allocation, anything: not a version
+            raise _CorruptVersion(f"{type(e).__name__}: {e}") from e
+
+    def _feed(self, raw: bytes):
+        kind, msg = _parse_message(raw)
+        if kind == "header":
+            if self.in_progress:
+                raise _CorruptVersion("new header before commit")
+            self.in_progress = True
+            self.assembler = _Assembler(msg, self.max_bytes, self.pool, self.crc_pool,
+                                        self.expected_shapes)
+            self.receiving = (msg.version, 0, msg.total_bytes)
+        elif kind == "chunk" and self.assembler is not None:
+            self.assembler.add(msg)
+            h = self.assembler.header
+            self.receiving = (h.version, self.assembler.next_offset, h.total_bytes)
+        elif kind == "commit" and self.assembler is not None:
+            header, params = self.assembler.header, self.assembler.finish(msg)
+            self.assembler = None  # drop our references: the buffer may be recycled
+            self.receiving, self.in_progress = (-1, 0, 0), False
+            return header, params
+        else:
+            raise _CorruptVersion(f"unexpected {kind!r} message")
+        return None
+
+
 class WeightSubscriber:
     """Background thread that applies each complete version via
     `on_weights(version, params, policy_version)` (module docstring: the guarantees).
 
     `params` arrays are views of a recycled version buffer: the callback may keep them (a
-    buffer is reused only once no view of it is alive).
+    buffer is reused only once no view of it is alive). `expected_shapes` ({name: shape}, e.g.
+    the engine's parameters) bounds what a version may carry: a header with other names or
+    shapes is refused before anything is allocated. `max_version_bytes` (and this machine's
+    physical memory) bounds it otherwise. `health()` tells whether the thread is alive and
+    what went wrong last.
     """
 
     def __init__(self, address: str, on_weights: Callable[[int, dict, int], None],
                  token: Optional[str] = None, tls: Optional[TLSConfig] = None, *,
                  max_message_bytes: int = DEFAULT_CHUNK_BYTES + (1 << 20),
                  max_version_bytes: int = 1 << 40, retry: RetryPolicy = RetryPolicy(),
-                 verify_crc: bool = True, subscriber_id: Optional[str] = None):
+                 verify_crc: bool = True, subscriber_id: Optional[str] = None,
+                 expected_shapes: Optional[Mapping[str, tuple]] = None):
         self.address = address
         self._on_weights = on_weights
         self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls=tls)
@@ -419,7 +520,10 @@ class WeightSubscriber:
             SUBSCRIBE, request_serializer=pb.SubscribeRequest.SerializeToString,
             response_deserializer=_identity)  # parsed by _parse_message
         self._md = call_metadata(token)
-        self._retry, self._max_bytes = retry, max_version_bytes
+        self._retry = retry
+        self._max_bytes = min(max_version_bytes, _physical_memory())
+        self._expected = (None if expected_shapes is None else
+                          {str(k): tuple(int(d) for d in v) for k, v in expected_shapes.items()})
         self._pool = _BufferPool()
         self._crc_pool = futures.ThreadPoolExecutor(1) if verify_crc else None
         self.subscriber_id = subscriber_id or uuid.uuid4().hex[:12]
@@ -428,9 +532,10 @@ class WeightSubscriber:
         self._closed = False
         self._closing = threading.Event()  # wakes a reconnect backoff at close
         self._call = None
+        self._reader: Optional[_StreamReader] = None
         # Observability (read without locks; ints are updated atomically under the GIL).
-        self.receiving: tuple[int, int, int] = (-1, 0, 0)  # (version, bytes so far, total)
         self.versions_applied = self.versions_discarded = self.reconnects = 0
+        self.errors = self.thread_restarts = 0
         self.last_error: Optional[str] = None
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"weights-{self.subscriber_id}")
@@ -440,15 +545,49 @@ class WeightSubscriber:
     def latest_version(self) -> int:
         return self._latest
 
+    @property
+    def receiving(self) -> tuple[int, int, int]:
+        """(version, bytes so far, total) of the version being received; (-1, 0, 0): none."""
+        reader = self._reader
+        return (-1, 0, 0) if reader is None else reader.receiving
+
+    def health(self) -> dict:
+        """Whether the subscriber thread runs, and its counters and last error."""
+        return {"alive": self._thread.is_alive() and not self._closed,
+                "latest_version": self._latest, "versions_applied": self.versions_applied,
+                "versions_discarded": self.versions_discarded, "reconnects": self.reconnects,
+                "errors": self.errors, "thread_restarts": self.thread_restarts,
+                "last_error": self.last_error}
+
     def wait_for_version(self, version: int, timeout: Optional[float] = None) -> bool:
         """True once a version >= `version` has been applied (False on timeout)."""
         with self._cv:
             return self._cv.wait_for(lambda: self._latest >= version, timeout)
 
+    def _error(self, message: str, warn: bool = True) -> None:
+        self.errors += 1
+        self.last_error = message
+        if warn:
+            log.warning("weight subscriber %s: %s", self.subscriber_id, message)
+
     def _run(self) -> None:
+        """The thread: follows the stream until closed. `_follow` handles every error of a
+        version or connection itself; should it ever raise anyway (a bug), the error is
+        recorded and the loop restarted, so the thread never ends silently."""
+        while not self._closed:
+            try:
+                self._follow()
+            except Exception as e:  # noqa: BLE001 - kept visible: last_error, health
+                self.thread_restarts += 1
+                self._error(f"subscriber loop failed and was restarted: {e!r}")
+                log.exception("weight subscriber %s: loop failed", self.subscriber_id)
+                self._closing.wait(self._retry.delay(self.thread_restarts))
+
+    def _follow(self) -> None:
         attempt = 0
         while not self._closed:
-            assembler = None
+            reader = self._reader = _StreamReader(self._max_bytes, self._pool, self._crc_pool,
+                                                  self._expected)
             try:
                 self._call = self._subscribe(
                     pb.SubscribeRequest(have_version=self._latest,
@@ -457,35 +596,21 @@ class WeightSubscriber:
                 if self._closed:  # close() raced with the call's creation
                     self._call.cancel()
                 for raw in self._call:
-                    kind, msg = _parse_message(raw)
-                    if kind == "header":
-                        if assembler is not None:
-                            raise _CorruptVersion("new header before commit")
-                        assembler = _Assembler(msg, self._max_bytes, self._pool,
-                                               self._crc_pool)
-                        self.receiving = (msg.version, 0, msg.total_bytes)
-                    elif kind == "chunk" and assembler is not None:
-                        assembler.add(msg)
-                        self.receiving = (assembler.header.version, assembler.next_offset,
-                                          assembler.header.total_bytes)
-                    elif kind == "commit" and assembler is not None:
-                        self._apply(assembler.header, assembler.finish(msg))
-                        assembler = None  # drop our references: the buffer may be recycled
+                    done = reader.feed(raw)
+                    if done is not None:
+                        self._apply(*done)
                         attempt = 0
-                    else:
-                        raise _CorruptVersion(f"unexpected {kind!r} message")
             except grpc.RpcError as e:
                 if self._closed:
                     break
-                self.last_error = f"{e.code().name}: {e.details()}"
-            except (_CorruptVersion, DecodeError, ValueError) as e:
-                self.last_error = f"corrupt stream: {e}"
-                log.warning("weight subscriber %s: %s", self.subscriber_id, self.last_error)
+                self._error(f"{e.code().name}: {e.details()}", warn=False)
+            except _CorruptVersion as e:  # any error while reading a version
+                self._error(f"corrupt stream: {e}")
                 if self._call is not None:
                     self._call.cancel()
-            if assembler is not None:
+            if reader.in_progress:
                 self.versions_discarded += 1
-            self.receiving = (-1, 0, 0)
+            self._reader = None
             if self._closed:
                 break
             self.reconnects += 1
@@ -501,7 +626,7 @@ class WeightSubscriber:
         try:
             self._on_weights(header.version, params, policy)
         except Exception as e:  # a failing callback must not kill the subscription
-            self.last_error = f"on_weights({header.version}) raised {e!r}"
+            self._error(f"on_weights({header.version}) raised {e!r}", warn=False)
             log.exception("weight subscriber %s: on_weights failed", self.subscriber_id)
             return
         with self._cv:

@@ -103,6 +103,8 @@ def test_stale_and_duplicate_versions_are_rejected(models):
         eng.update_weights(bad, 3)
     c = eng.generate([request("x", [1, 2], max_new_tokens=3, seed=0)])[0]
     assert eng.version == 2 and (c.version == 2).all()
+    # What a weight subscriber is told to expect is exactly what the engine takes.
+    assert eng.weight_shapes() == {k: tuple(v.shape) for k, v in flat_params(models[2]).items()}
 
 
 def test_update_from_checkpoint_dir_and_no_aliasing_of_learner_buffers(models, reference,

@@ -18,7 +18,7 @@ class Clock:
 def put(core, rollouts, request_id="", hold_s=0.0):
     msgs = [rollout_to_pb(r) for r in rollouts]
     infos = [validate_rollout(m, Limits(), core.learner_version) for m in msgs]
-    return core.put(msgs, infos, request_id, hold_s)
+    return core.put([m.SerializeToString() for m in msgs], infos, request_id, hold_s)
 
 
 def members(batch):
@@ -56,7 +56,7 @@ def test_group_membership_errors_name_the_field():
         put(core, make_group("a", 2)[:1])
     with pytest.raises(GroupRejected, match="exceeds queue capacity"):
         QueueCore(capacity_rollouts=4).put(
-            [rollout_to_pb(make_rollout("z", 5))],
+            [rollout_to_pb(make_rollout("z", 5)).SerializeToString()],
             [validate_rollout(rollout_to_pb(make_rollout("z", 5)), Limits(), None)])
 
 

@@ -14,7 +14,7 @@ from transport_testlib import make_group
 def put(core, rollouts, producer_id=""):
     msgs = [rollout_to_pb(r) for r in rollouts]
     infos = [validate_rollout(m, Limits(), core.learner_version) for m in msgs]
-    return core.put(msgs, infos, producer_id=producer_id)
+    return core.put([m.SerializeToString() for m in msgs], infos, producer_id=producer_id)
 
 
 def test_core_applies_the_announced_limit_and_counts_drops_per_producer():

@@ -138,7 +138,6 @@ def mutated(name: str, k: int) -> tuple[pb.Rollout, str]:
 def test_valid_rollout_passes_and_reports_versions():
     info = validate_rollout(_valid(), LIMITS, max_version=10)
     assert (info.group_id, info.group_size, info.min_version, info.max_version) == ("g", 2, 2, 2)
-    assert info.nbytes > 0
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))

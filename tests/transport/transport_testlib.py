@@ -11,6 +11,33 @@ import numpy as np
 from pipelinerl_jax import types
 
 
+class HandlerContext:
+    """The parts of `grpc.ServicerContext` the queue's handlers use, for calling
+    `RolloutQueueServer.handlers` in-process: `abort` raises `Aborted(code, details)` as
+    gRPC's raises its own exception; trailing metadata is recorded."""
+
+    class Aborted(Exception):
+        @property
+        def code(self):
+            return self.args[0]
+
+        @property
+        def details(self):
+            return self.args[1]
+
+    def __init__(self):
+        self.trailing = ()
+
+    def abort(self, code, details):
+        raise self.Aborted(code, details)
+
+    def is_active(self):
+        return True
+
+    def set_trailing_metadata(self, md):
+        self.trailing = md
+
+
 def make_rollout(group_id: str = "g", group_size: int = 1, completion: int = 6,
                  prompt: int = 3, version: int = 0, member: int = 0,
                  producer: int = 0) -> types.Rollout:
