@@ -198,7 +198,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     state = ts.init_state(model, optimizer, mesh)
     step_fn = make_step(cfg, model, optimizer, mesh, state)
     pack_kw = dict(num_seqs=L.batch_groups * cfg.rollout.group_size,
-                   chunks=L.minibatches * L.micro_batches, pack_len=cfg.engine.max_seq_len,
+                   chunks=L.minibatches * L.micro_batches, pack_len=cfg.model.max_seq_len,
                    completion_len=completion_tokens(cfg),
                    row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
 

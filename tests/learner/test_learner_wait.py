@@ -80,7 +80,7 @@ def test_wait_time_counts_every_poll_since_the_last_step(tmp_path, monkeypatch):
     cfg.learner.total_steps, cfg.learner.batch_groups = 2, 1
     cfg.learner.checkpoint_every, cfg.learner.eval_every = 10, 0
     cfg.rollout.group_size = 2
-    cfg.sampling.max_new_tokens, cfg.engine.max_seq_len = 8, 16
+    cfg.sampling.max_new_tokens, cfg.model.max_seq_len = 8, 16
     tok = get_tokenizer(cfg.tokenizer)
     init = str(tmp_path / "init")
     save_pretrained(build_model(cfg.model, tok.vocab_size), init)

@@ -57,11 +57,12 @@ def test_a_config_that_refits_fails_at_startup_without_the_update_endpoint(serve
     assert "/pause_generation" not in str(e.value)  # only what is missing is named
     # The pipeline's engine always refits: make_sglang_engine probes.
     from pipelinerl_jax.rollout.sglang_engine import make_sglang_engine
-    from tests.rollout.test_sglang_config import base_config
+    from tests.rollout.test_sglang_config import base_config, resolve
     cfg = base_config()
     cfg.sampler.kind = "sglang"
     cfg.sglang.urls = (server.url,)
     cfg.sglang.health_deadline_s = 30.0
+    cfg = resolve(cfg)
     with pytest.raises(MissingEndpointError, match="has no /update_weights_from_disk"):
         make_sglang_engine(cfg, "", 0, str(tmp_path))
     # Sampling alone (no refit) works against such a server.
