@@ -133,6 +133,7 @@ def _train(tmp_path, *flags):
         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_entry_point_fails_before_starting_anything(tmp_path):
     out = _train(tmp_path, "--config.max_lag=-1")
     assert out.returncode != 0

@@ -16,6 +16,8 @@ from tests.envs.conftest import (RANDOM_MODEL_STOPS, ToyTask, check_logps, check
 from tests.envs.episode_checks import match_engine
 from tests.rollout.conftest import full_logits, make_model, reference  # noqa: F401
 
+pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)
+
 SHAPE = '{"max_slots": 4, "max_seq_len": 48, "prefill_buckets": [48], "cache_buckets": [48], ' \
         '"max_prefill_batch": 1, "steps_per_sync": 4}'
 

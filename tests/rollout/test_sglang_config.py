@@ -124,6 +124,7 @@ def test_launch_helper_commands():
                                                   "--gpus", "0,1"]))
 
 
+@pytest.mark.slow
 def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
     from pipelinerl_jax.models import Decoder, flat_params, from_pretrained, save_pretrained
     from pipelinerl_jax.models.factory import resolve_model_config
