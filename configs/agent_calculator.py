@@ -27,7 +27,6 @@ def get_config(arg: str = ""):
     c.env.tool_timeout_s = 10.0
     c.sampling.temperature = 1.0
     c.model.max_seq_len = 128
-    c.engine.max_seq_len = 128
     c.engine.max_slots = 64
     c.rollout.group_size = 8
     c.rollout.advantage.estimator = "grpo"

@@ -31,7 +31,6 @@ def get_config(arg: str = ""):
     c.env.truncated_reward = -0.5
     c.env.dynamic_sampling = True
     c.model.max_seq_len = 96
-    c.engine.max_seq_len = 96
     c.engine.max_slots = 64
     c.rollout.group_size = 8
     c.rollout.advantage.estimator = "grpo"

@@ -61,7 +61,7 @@ def get_config(arg: str = "gpu8"):
     c.rollout.advantage.estimator = "grpo"
     c.sampling.max_new_tokens = 512
     c.sampling.temperature = 1.0
-    c.engine.max_seq_len = 1024  # the pipeline's context: prompt + completion (learner packing)
+    c.model.max_seq_len = 1024  # the pipeline's context: prompt + completion (learner packing)
 
     # ---- learner: sharded over the mesh preset
     c.mesh.shape = MESH_PRESETS[arg or "gpu8"]

@@ -39,6 +39,7 @@ def main(argv):
         run_config.validate(cfg)
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
+    cfg = run_config.resolve(cfg)  # the derived values every role reads
     pin(cfg, "learner")  # the cores a launched learner would have
     compile_cache.enable()
     from pipelinerl_jax.learner import recording

@@ -31,6 +31,7 @@ def main(argv):
         run_config.validate(cfg)
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
+    cfg = run_config.resolve(cfg)  # the derived values every role reads
     summary = run_sft(cfg, _WORKDIR.value, evaluate=sft_evaluator(cfg))
     print(json.dumps(summary, indent=2))
 

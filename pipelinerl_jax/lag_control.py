@@ -54,10 +54,9 @@ import numpy as np
 from ml_collections import config_dict
 
 from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.lag_buckets import LAG_BUCKETS  # the diagnostics' buckets, stalest last
 
 SIGNALS = ("ess", "kl_k3")
-# Lag buckets of the train step's diagnostics (losses/diagnostics.LAG_BUCKETS), stalest last.
-LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")
 HOLD, DECREASE, INCREASE = 0, -1, 1
 
 

@@ -6,8 +6,22 @@ engine backend of `rollout/factory.BACKENDS`, loss, transport, ...) plus the pip
 (mode, max_lag, lag_control, learner, rollout, resources, lag_injection); `configs/*.py` start
 from it.
 `validate(config)` runs before any process starts and raises one `ConfigError` naming the
-offending key. Config files are Python (ml_collections convention) and therefore trusted
-code: never load one you did not write.
+offending key; `resolve(config)` then fills in the values derived from the user's settings,
+once, so every process reads the same ones:
+
+- **context length.** `model.max_seq_len` is the run's context (prompt + completion): the
+  learner and the warm start pack rows of it, the queue bounds prompts by it, an episode budget
+  defaults to it. Each backend's own context (`engine.max_seq_len`, the JaxEngine's KV cache
+  length; `sglang.max_seq_len`, the context the servers were launched with) is None until
+  resolved to `model.max_seq_len`; set explicitly it may be smaller (a shorter cache), never
+  larger (the learner could not pack what the engine samples).
+- **lag limits.** `rollout.admission_lag` (how many versions ahead of the learner a worker may
+  start a group; 0 is lock-step: sync mode, and lag injection, which feeds each step the
+  weights it prescribes) and `transport.max_lag` (the queue's staleness cut: None under lag
+  injection, whose lags are prescribed, else the same limit) come from `lag_limits`.
+
+Config files are Python (ml_collections convention) and therefore trusted code: never load one
+you did not write.
 
 The package sections are imported inside the functions that need them: they load JAX (the
 engines), and the launcher and every child role import this module before a child has
@@ -26,6 +40,7 @@ from pipelinerl_jax.config import ConfigError, check_keys
 from pipelinerl_jax.lag_control import lag_control_config, validate_lag_control
 
 MODES = ("async", "sync")
+CONTEXT_KEY = "max_seq_len"  # each backend section's own context; None = model.max_seq_len
 INJECTION_KINDS = ("fixed", "uniform", "geometric")
 
 
@@ -63,10 +78,13 @@ def base_config() -> ml_collections.ConfigDict:
     ))
     for b in BACKENDS.values():  # 'engine' (JaxEngine), 'sglang' (servers), ...
         c[b.section] = b.config()
+        c[b.section][CONTEXT_KEY] = config_dict.placeholder(int)  # resolve: model.max_seq_len
     c.sampling = ml_collections.ConfigDict(dict(
         max_new_tokens=128, temperature=1.0, top_p=1.0, top_k=0))
     c.rollout = ml_collections.ConfigDict(dict(
-        num_workers=1, group_size=8, advantage=advantage_config(), stats_every_s=1.0))
+        num_workers=1, group_size=8, advantage=advantage_config(), stats_every_s=1.0,
+        admission_lag=config_dict.placeholder(int),  # derived by resolve (lag_limits)
+    ))
     c.loss = loss_config()
     c.learner = ml_collections.ConfigDict(dict(
         batch_groups=8,  # prompts (groups) per learner step; rows = batch_groups * group_size
@@ -120,23 +138,55 @@ def _int(cfg, key, lo=0):
     return node
 
 
+def context_length(cfg, section: str = "") -> int:
+    """The context of backend section `section` ('' = the run's: `model.max_seq_len`): its
+    own `max_seq_len` when set, else the model's. `resolve` stores it; this is the one
+    definition."""
+    own = cfg[section][CONTEXT_KEY] if section else None
+    return int(cfg.model.max_seq_len if own is None else own)
+
+
+def sampler_context(cfg) -> int:
+    """The context of the backend that samples (`sampler.kind`)."""
+    from pipelinerl_jax.rollout.factory import backend  # late: JAX
+    return context_length(cfg, backend(cfg.sampler.kind).section)
+
+
+def _context_key(cfg) -> str:
+    """The key that sets the sampler's context, for error messages."""
+    from pipelinerl_jax.rollout.factory import backend  # late: JAX
+    section = backend(cfg.sampler.kind).section
+    return f"{section}.{CONTEXT_KEY}" if cfg[section][CONTEXT_KEY] is not None \
+        else "model.max_seq_len"
+
+
+def lag_limits(cfg):
+    """(admission lag, queue max_lag) of a run config (module docstring): sync and lag
+    injection admit lock-step (0); the queue drops by staleness except under injection."""
+    if cfg.lag_injection.enabled:
+        return 0, None  # the lag is prescribed; nothing is stale by accident
+    limit = 0 if cfg.mode == "sync" else int(cfg.max_lag)
+    return limit, limit
+
+
 def completion_tokens(cfg) -> int:
     """The longest completion a rollout may have (the learner's and the queue's bound):
     `sampling.max_new_tokens`, or for an environment the episode token budget
-    (`env.max_episode_tokens`, 0 = `engine.max_seq_len`), prompt included."""
+    (`env.max_episode_tokens`, 0 = the sampler's context), prompt included."""
     from pipelinerl_jax.envs import is_env_task  # late: JAX
     if is_env_task(cfg):
-        return int(cfg.env.max_episode_tokens or cfg.engine.max_seq_len)
+        return int(cfg.env.max_episode_tokens or sampler_context(cfg))
     return int(cfg.sampling.max_new_tokens)
 
 
-def _validate_episode_budget(cfg, task, tok) -> None:
-    """An environment's limits against the engine's context (errors name the key)."""
-    budget_key = "env.max_episode_tokens" if cfg.env.max_episode_tokens else "engine.max_seq_len"
+def _validate_episode_budget(cfg, task, tok, context_key: str) -> None:
+    """An environment's limits against the sampler's context, set by `context_key` (errors
+    name the key)."""
+    budget_key = "env.max_episode_tokens" if cfg.env.max_episode_tokens else context_key
     budget = completion_tokens(cfg)
-    if budget > cfg.engine.max_seq_len:
-        raise ConfigError("env.max_episode_tokens", f"{budget} exceeds engine.max_seq_len="
-                                                    f"{cfg.engine.max_seq_len}")
+    if budget > sampler_context(cfg):
+        raise ConfigError("env.max_episode_tokens", f"{budget} exceeds the context "
+                          f"{context_key}={sampler_context(cfg)}")
     try:
         task.stop_token_ids(tok)
     except ValueError as e:
@@ -146,6 +196,38 @@ def _validate_episode_budget(cfg, task, tok) -> None:
         if need > budget:
             raise ConfigError(budget_key, f"{budget} cannot hold the longest correct episode "
                               f"of {cfg.task.name!r} ({need} tokens with its prompt)")
+
+
+def _validate_context(cfg) -> None:
+    """`model.max_seq_len` against the checkpoint, and every backend's own context against
+    it (errors name the key)."""
+    from pipelinerl_jax.models.hf_io import load_config  # late: JAX
+    from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
+    n = _int(cfg, "model.max_seq_len", 2)
+    if cfg.model.init == "hf":
+        positions = load_config(cfg.model.path).max_position_embeddings
+        if n > positions:
+            raise ConfigError("model.max_seq_len", f"{n} exceeds the checkpoint's "
+                              f"max_position_embeddings={positions} ({cfg.model.path})")
+    for b in BACKENDS.values():
+        own = cfg[b.section][CONTEXT_KEY]
+        if own is None:
+            continue
+        key = f"{b.section}.{CONTEXT_KEY}"
+        _int(cfg, key, 2)
+        if own > n:
+            raise ConfigError(key, f"{own} exceeds the run's context model.max_seq_len={n} "
+                              f"(the learner packs rows of model.max_seq_len; set the context "
+                              f"there, and {key} follows it unless set)")
+
+
+def _with_contexts(cfg) -> ml_collections.ConfigDict:
+    """A copy of `cfg` with every backend section's context filled in (`context_length`)."""
+    from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    for b in BACKENDS.values():
+        cfg[b.section][CONTEXT_KEY] = context_length(cfg, b.section)
+    return cfg
 
 
 def validate(cfg) -> None:
@@ -163,6 +245,10 @@ def validate(cfg) -> None:
         raise ConfigError("mode", f"must be one of {MODES}, got {cfg.mode!r}")
     _int(cfg, "seed")
     _int(cfg, "max_lag")
+    derived = lag_limits(cfg)[0]
+    if cfg.rollout.admission_lag not in (None, derived):  # None until resolve sets it
+        raise ConfigError("rollout.admission_lag", f"is derived from mode, max_lag and "
+                          f"lag_injection (here {derived}); set max_lag instead")
     check_keys(cfg.lag_control, "lag_control", lag_control_config().keys())
     validate_lag_control(cfg)
     validate_model_config(cfg.model, "model")
@@ -171,6 +257,9 @@ def validate(cfg) -> None:
     if cfg.sampler.kind not in BACKENDS:
         raise ConfigError("sampler.kind", f"must be one of {tuple(BACKENDS)}, "
                                           f"got {cfg.sampler.kind!r}")
+    _validate_context(cfg)
+    context_key = _context_key(cfg)  # before the copy below fills the sections in
+    cfg = _with_contexts(cfg)  # the sections' checks see the contexts the run will use
     _int(cfg, "sampler.keep_weight_versions", 1)
     _int(cfg, "rollout.num_workers", 1)
     for kind, b in BACKENDS.items():  # every section, so a switch of kind finds no surprise
@@ -188,14 +277,11 @@ def validate(cfg) -> None:
     _int(cfg, "sampling.top_k")
     prompt_tokens = task.max_prompt_chars + 1 if cfg.tokenizer.kind == "char" else None
     if is_env_task(cfg):
-        _validate_episode_budget(cfg, task, tok)
-    elif prompt_tokens and prompt_tokens + s.max_new_tokens > cfg.engine.max_seq_len:
-        raise ConfigError("engine.max_seq_len", f"{cfg.engine.max_seq_len} cannot hold the "
+        _validate_episode_budget(cfg, task, tok, context_key)
+    elif prompt_tokens and prompt_tokens + s.max_new_tokens > sampler_context(cfg):
+        raise ConfigError(context_key, f"{sampler_context(cfg)} cannot hold the "
                           f"task's longest prompt ({prompt_tokens} tokens) plus "
                           f"sampling.max_new_tokens={s.max_new_tokens}")
-    if cfg.model.init == "scratch" and cfg.engine.max_seq_len > cfg.model.max_seq_len:
-        raise ConfigError("engine.max_seq_len", f"{cfg.engine.max_seq_len} exceeds "
-                          f"model.max_seq_len={cfg.model.max_seq_len}")
 
     r, L = cfg.rollout, cfg.learner
     _int(cfg, "rollout.num_workers", 1)
@@ -259,15 +345,13 @@ def validate(cfg) -> None:
 
 
 def resolve(cfg) -> ml_collections.ConfigDict:
-    """Derived values filled in once, after validation (copied into the transport section)."""
-    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    """Derived values filled in once, after validation (module docstring): the backends'
+    contexts, the lag limits, and the transport section's bounds."""
     from pipelinerl_jax.tokenizers import get_tokenizer  # late: JAX
+    cfg = _with_contexts(cfg)
     tok = get_tokenizer(cfg.tokenizer)
     cfg.transport.vocab_size = tok.vocab_size
-    if cfg.lag_injection.enabled:
-        cfg.transport.max_lag = None  # the lag is prescribed; nothing is stale by accident
-    else:
-        cfg.transport.max_lag = 0 if cfg.mode == "sync" else cfg.max_lag
+    cfg.rollout.admission_lag, cfg.transport.max_lag = lag_limits(cfg)
     cfg.transport.max_completion_tokens = completion_tokens(cfg)
-    cfg.transport.max_prompt_tokens = cfg.engine.max_seq_len
+    cfg.transport.max_prompt_tokens = context_length(cfg)
     return cfg

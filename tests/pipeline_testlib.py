@@ -9,8 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A pipeline small enough for CI: a tiny random model, short answers, a few steps.
 TINY_FLAGS = (
     "--config.task.median_length=3", "--config.task.p99_length=6", "--config.task.max_length=8",
-    "--config.sampling.max_new_tokens=9", "--config.engine.max_seq_len=32",
-    "--config.model.max_seq_len=32", "--config.engine.max_slots=8",
+    "--config.sampling.max_new_tokens=9", "--config.model.max_seq_len=32",
+    "--config.engine.max_slots=8",
     "--config.learner.batch_groups=2", "--config.rollout.group_size=2",
     "--config.learner.eval_size=4", "--config.resources.learner_cores=",
     "--config.resources.sampler_cores=",

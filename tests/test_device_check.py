@@ -48,6 +48,7 @@ def test_requirements_are_read_from_setup_py():
     assert all(v["have"] and v["ok"] is not False for v in reqs.values()), reqs
 
 
+@pytest.mark.bench_smoke
 @pytest.mark.slow
 def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHON=sys.executable)

@@ -7,7 +7,6 @@ from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.lag_control import (
     LAG_BUCKETS, LagController, LagLaw, Observation, decide, loss_metrics, observe, replay,
     wait_fraction)
-from pipelinerl_jax.losses.diagnostics import LAG_BUCKETS as DIAGNOSTIC_BUCKETS
 from pipelinerl_jax.run_config import base_config, validate
 
 LAW = LagLaw(signal="ess", target=0.9, open_at=0.95, min_lag=0, max_lag=8, window=2,
@@ -27,10 +26,6 @@ def step_metrics(bucket="3-4", ess=0.99, kl=0.001, tokens=100, extra=None):
                   f"lag_{b}/kl_k3": kl if here else 0.0})
     m.update(extra or {})
     return m
-
-
-def test_buckets_match_the_train_step_diagnostics():
-    assert LAG_BUCKETS == DIAGNOSTIC_BUCKETS
 
 
 def test_backs_off_multiplicatively_once_the_window_mean_is_unhealthy():

@@ -128,6 +128,7 @@ _PROBE = ("import json, os, sys, ml_collections; from pipelinerl_jax.launch impo
           "'cores': sorted(os.sched_getaffinity(0)), 'pinned': cores}))")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("role,devices", [("learner", 2), ("worker", 1)])
 def test_a_child_started_with_its_role_env_sees_its_cpu_devices(tmp_path, monkeypatch, role,
                                                                 devices):

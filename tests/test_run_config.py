@@ -62,6 +62,68 @@ def test_loss_hparam_of_another_loss_is_rejected():
         run_config.validate(cfg)
 
 
+def test_one_context_length_reaches_every_role():
+    cfg = _default()
+    cfg.model.max_seq_len = 384
+    run_config.validate(cfg)
+    r = run_config.resolve(cfg)
+    assert r.engine.max_seq_len == r.sglang.max_seq_len == r.transport.max_prompt_tokens == 384
+    cfg.engine.max_seq_len = 200  # a shorter JaxEngine cache is allowed; the rest follow
+    run_config.validate(cfg)
+    r = run_config.resolve(cfg)
+    assert (r.engine.max_seq_len, r.sglang.max_seq_len, r.transport.max_prompt_tokens) == \
+        (200, 384, 384)
+
+
+def test_an_old_command_line_setting_both_contexts_alike_still_validates():
+    cfg = _default()
+    cfg.model.max_seq_len = cfg.engine.max_seq_len = 320
+    run_config.validate(cfg)
+    assert run_config.resolve(cfg).engine.max_seq_len == 320
+
+
+@pytest.mark.parametrize("key", ["engine.max_seq_len", "sglang.max_seq_len"])
+def test_an_engine_context_longer_than_the_model_context_names_both_keys(key):
+    cfg = _default()
+    section, leaf = key.split(".")
+    cfg[section][leaf] = cfg.model.max_seq_len + 1
+    with pytest.raises(ConfigError, match=r"model\.max_seq_len") as e:
+        run_config.validate(cfg)
+    assert e.value.key == key
+
+
+def test_an_hf_context_beyond_the_checkpoint_positions_names_model_max_seq_len(tmp_path):
+    from tests.pipeline_testlib import make_init_checkpoint  # max_position_embeddings=32
+    cfg = _default()
+    cfg.model.init, cfg.model.path = "hf", make_init_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(ConfigError) as e:
+        run_config.validate(cfg)
+    assert e.value.key == "model.max_seq_len" and "max_position_embeddings=32" in str(e.value)
+
+
+@pytest.mark.parametrize("mode,injection,admission,queue", [
+    ("async", False, 2, 2),  # configs/default.py: max_lag=2
+    ("sync", False, 0, 0),
+    ("async", True, 0, None),  # lock-step admission; the queue cuts nothing prescribed
+    ("sync", True, 0, None),
+])
+def test_the_lag_limits_are_derived_once(mode, injection, admission, queue):
+    cfg = _default()
+    cfg.mode, cfg.lag_injection.enabled = mode, injection
+    run_config.validate(cfg)
+    r = run_config.resolve(cfg)
+    assert (r.rollout.admission_lag, r.transport.max_lag) == (admission, queue)
+    run_config.validate(r)  # a resolved config is still a valid one
+
+
+def test_admission_lag_is_not_a_setting():
+    cfg = _default()
+    cfg.rollout.admission_lag = 7
+    with pytest.raises(ConfigError, match="set max_lag instead") as e:
+        run_config.validate(cfg)
+    assert e.value.key == "rollout.admission_lag"
+
+
 def _train(tmp_path, *flags):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run(
@@ -71,6 +133,7 @@ def _train(tmp_path, *flags):
         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_entry_point_fails_before_starting_anything(tmp_path):
     out = _train(tmp_path, "--config.max_lag=-1")
     assert out.returncode != 0

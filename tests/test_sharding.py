@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from pipelinerl_jax import sharding
 from pipelinerl_jax.models import from_pretrained, save_pretrained, tiny_config
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+pytestmark = pytest.mark.usefixtures("eight_devices")  # fails, never skips, on fewer
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from pipelinerl_jax.ablation.stats import t_interval
+from pipelinerl_jax.lag_buckets import LAG_BUCKETS  # loss/lag_<bucket>/<name> columns
 
 # Config values every table carries (column -> dotted key in the experiment config).
 CONFIG_COLUMNS = {
@@ -55,8 +56,6 @@ CONFIG_COLUMNS = {
     "minibatches": "learner.minibatches", "max_k": "lag_injection.max_k",
     "eval_size": "learner.eval_size", "loss_cap": "loss.cap", "loss_tau": "loss.tau",
 }
-# Per-lag-bucket diagnostics `loss/lag_<bucket>/<name>` (losses/diagnostics.py).
-LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")
 _FIRST_METRICS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean",
                   "lag/mean", "loss/ess", "loss/clip_frac", "loss/kl_k3")
 

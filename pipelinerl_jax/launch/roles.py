@@ -108,7 +108,7 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
     if role == "learner":
         from pipelinerl_jax.learner import multihost
         multihost.initialize(cfg.launch.get("learner_processes", 1))
-        from pipelinerl_jax.learner.loop import run_learner
+        from pipelinerl_jax.learner.loop import learner_batches, run_learner
         from pipelinerl_jax.rollout.evaluator import learner_evaluator
         from pipelinerl_jax.rollout.factory import backend
         from pipelinerl_jax.transport.weight_sink import NullSink, make_weight_sink
@@ -117,10 +117,12 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
             backend(cfg.sampler.kind).weight_sink, cfg, workdir, init_checkpoint=init_ckpt),
             NullSink())
         evaluate = multihost.primary_or(lambda: learner_evaluator(cfg, init_ckpt), None)
+        batches = learner_batches(cfg)
         try:
-            out = run_learner(cfg, workdir, init_ckpt, stop_event=stop, weight_sink=sink,
-                              evaluate=evaluate)
+            out = run_learner(cfg, workdir, init_ckpt, stop_event=stop, batches=batches,
+                              weight_sink=sink, evaluate=evaluate)
         finally:
+            batches.close()
             sink.close()
             if evaluate is not None:
                 evaluate.close()

@@ -9,11 +9,16 @@ the loop, the end. One learner step:
     version += 1; publish(version, params)       # background: announce, then ship
     every `checkpoint_every` steps: save (async); ack the batches the previous save covers
 
-The learner knows no engine: weights leave through the `weight_sink` it is handed
-(`transport.weight_sink`: a stream of arrays or HF directories, the launcher chooses),
-held-out evaluation is the `evaluate(params_flat, version)` callable it is handed, and under
-lag injection `lag_injection.LagInjector` says which version's params to ship. The loss says
-what it needs (its resolved aggregation, whether it uses the proximal policy).
+The learner is handed its parts and knows no engine: batches come from the `batches` source
+it is handed (the queue client on process 0, a stand-in elsewhere or in a test), weights leave
+through the `weight_sink` it is handed (`transport.weight_sink`: a stream of arrays or HF
+directories, the launcher chooses), held-out evaluation is the `evaluate(params_flat,
+version)` callable it is handed, and under lag injection `lag_injection.LagInjector` says which
+version's params to ship. The loss says what it needs (its resolved aggregation, whether it
+uses the proximal policy). The state the loop changes is explicit: `Progress` (steps, version,
+trained batch ids: what a checkpoint commits) and the lag controller, whose limit travels to the
+publication thread with each version (`Shipper`) instead of being read from there. Each step's
+`metrics.jsonl` row is built by `step_record`.
 
 At-least-once delivery + the trained-batch ids stored in each checkpoint make a crash safe:
 unacknowledged batches are redelivered to the restarted learner, which retrains those after
@@ -25,7 +30,8 @@ restarted, empty queue learns it at once.
 
 A learner may be P processes on one global mesh (`multihost.py`): every process runs this same
 function on the same batch (process 0 pulls it, the others receive it); only process 0 talks
-to the queue, publishes weights and writes files, the others hold stand-ins that do nothing.
+to the queue, publishes weights and writes files, the others hold stand-ins that do nothing
+(`learner_batches` builds the right source for each).
 
 Publication overlaps the next step (`publication.py`): right after a step the params are
 snapshotted (an on-device copy the donated step cannot invalidate) and one background thread
@@ -36,10 +42,11 @@ time; the step after waits only if that publication is not finished by then. Eva
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -55,8 +62,7 @@ from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import from_pretrained
 from pipelinerl_jax.run_config import completion_tokens
 from pipelinerl_jax.tokenizers import get_tokenizer
-from pipelinerl_jax.transport import RolloutQueueClient, client_kwargs, queue_address
-from pipelinerl_jax.transport.queue_client import QueueUnavailable
+from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +183,125 @@ class BatchAcks:
         self.covered = []
 
 
+def learner_batches(cfg) -> "BatchSource":
+    """The batch source of this learner process: a client of the run's queue on process 0,
+    `multihost.NullQueue` on the others. The caller closes it."""
+    from pipelinerl_jax.transport import RolloutQueueClient, client_kwargs, queue_address
+    return multihost.primary_or(
+        lambda: RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport)),
+        multihost.NullQueue())
+
+
+class BatchSource(Protocol):
+    """Where the learner's batches come from and whom it tells what it trained: a
+    `transport.RolloutQueueClient` (process 0), `multihost.NullQueue` (the other processes of
+    a multi-process learner), or a test's stand-in. The caller builds and closes it."""
+
+    def wait_ready(self, deadline_s: float) -> None: ...
+
+    def get_batch(self, num_groups: int, timeout_s: float, learner_version: Optional[int] = None,
+                  **announce) -> Optional[Batch]: ...
+
+    def set_version(self, version: int, **announce) -> int: ...
+
+    def ack(self, batch_ids: Sequence[str]) -> int: ...
+
+
+class Shipper:
+    """The publication thread's job for one version (`Publication` runs it): announce the
+    version to the queue, then deliver it through the weight sink (in this order: rollouts
+    sampled with it may reach the queue the moment an engine has it). Returns its flat params.
+
+    What it shares with the learner's main thread is explicit: the lag limit to announce
+    arrives with each version (taken when the version was trained, so the main thread's
+    controller may move on meanwhile), and the lag injector's history is written only here;
+    the main thread reads it only after `Publication.result()`, which orders that read after
+    the last ship."""
+
+    def __init__(self, queue: BatchSource, sink, injector: Optional[LagInjector] = None):
+        self.queue, self.sink, self.injector = queue, sink, injector
+
+    def __call__(self, version: int, host, announce: Mapping) -> Dict[str, np.ndarray]:
+        flat = flat_params(host)
+        try:
+            self.queue.set_version(version, **announce)
+        except QueueUnavailable as e:  # restarting: the next get_batch announces it
+            log.warning("could not announce version %d to the queue: %s", version, e)
+        if self.injector is None:
+            self.sink.publish(version, flat)
+        else:  # version - k's params, with their policy version in the header
+            policy_version, params = self.injector.ship(version, host)
+            self.sink.publish(version, flat_params(params), policy_version)
+        return flat
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the learner has done, as every checkpoint commits it: steps, the policy version,
+    the ids of the batches trained (so a restarted learner never trains one twice)."""
+    step: int = 0
+    version: int = 0
+    trained: List[str] = dataclasses.field(default_factory=list)
+    wall_offset_s: float = 0.0  # wall time of the run before this process resumed it
+
+    def __post_init__(self):
+        self.trained_set = set(self.trained)
+
+    def trained_one(self, batch_id: str) -> None:
+        self.step += 1
+        self.version += 1
+        self.trained.append(batch_id)
+        self.trained_set.add(batch_id)
+
+    def meta(self, wall_time_s: float) -> dict:
+        return {"version": self.version, "trained_batch_ids": self.trained[-10000:],
+                "wall_time_s": wall_time_s}
+
+
+def save_checkpoint(acks: BatchAcks, progress: Progress, state, wall_time_s: float,
+                    publication: Publication, injector: Optional[LagInjector]) -> None:
+    """Checkpoints `state` at `progress` (async; acks what the previous save covered). Under
+    lag injection the injector's history is saved too, once the version just published is in
+    it."""
+    if injector is not None:
+        publication.result()
+    acks.checkpoint(progress.step, state, progress.meta(wall_time_s),
+                    history=None if injector is None else injector.history)
+
+
+def step_record(*, version: int, wall_time_s: float, step_s: float, wait_s: float, sync_s: float,
+                packed, lr: float, skipped: int, publication: Publication, batch, feed,
+                rollouts, metrics: Mapping, control: Mapping) -> dict:
+    """One step's `metrics.jsonl` row (docs/metrics.md): the learner's timings, the batch's
+    rewards, lengths and lags (measured at the version it was trained at, `version - 1`),
+    the loss diagnostics and the lag controller's decision."""
+    record = {"version": version, "wall_time_s": wall_time_s,
+              "learner/step_time_s": step_s, "learner/wait_time_s": wait_s,
+              "learner/tokens": packed.num_tokens, "learner/pack_fill": packed.fill,
+              "learner/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
+              "learner/lr": lr, "learner/skipped_steps": skipped,
+              "weight_sync/time_s": sync_s,
+              "weight_sync/background_s": publication.last_duration_s,
+              "queue/redelivered": int(batch.redelivered),
+              "queue/unavailable_errors": feed.unavailable}
+    record.update(batch_metrics(rollouts, packed, version - 1))
+    record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
+    record.update(control)
+    return record
+
+
 def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
-                weight_sink, evaluate: Optional[Callable[[dict, int], dict]] = None) -> dict:
+                batches: BatchSource, weight_sink,
+                evaluate: Optional[Callable[[dict, int], dict]] = None,
+                clock: Callable[[], float] = time.time) -> dict:
     """Trains `learner.total_steps` steps from `init_checkpoint` (or the workdir's latest
     checkpoint); returns the final step, version and last evaluation.
 
-    `weight_sink`: a `transport.weight_sink.WeightSink` every version goes out through (the
-    caller closes it). `evaluate(params_flat, version) -> metrics`, or None: held-out
-    evaluation every `learner.eval_every` steps, at step 0 and at the end.
+    `batches`: the `BatchSource` batches come from and versions and acks go to.
+    `weight_sink`: a `transport.weight_sink.WeightSink` every version goes out through.
+    The caller builds and closes both. `evaluate(params_flat, version) -> metrics`, or None:
+    held-out evaluation every `learner.eval_every` steps, at step 0 and at the end.
+    `clock`: seconds, for the durations and wall time the metrics report.
     """
     L = cfg.learner
     tok = get_tokenizer(cfg.tokenizer)
@@ -198,73 +315,46 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     state = ts.init_state(model, optimizer, mesh)
     step_fn = make_step(cfg, model, optimizer, mesh, state)
     pack_kw = dict(num_seqs=L.batch_groups * cfg.rollout.group_size,
-                   chunks=L.minibatches * L.micro_batches, pack_len=cfg.engine.max_seq_len,
+                   chunks=L.minibatches * L.micro_batches, pack_len=cfg.model.max_seq_len,
                    completion_len=completion_tokens(cfg),
                    row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
 
     # ------------------------------------------------------------------ checkpoint restore
     multihost.barrier("model-built")  # orbax's first collective: every process is ready
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=L.keep_checkpoints)
-    step, version, trained, t_offset, history = 0, 0, [], 0.0, {}
+    progress, history = Progress(), {}
     if ckpt.latest_step() is not None:
         state, meta, step, history = ckpt.restore(state, history_like=state.params)
-        version, trained = meta["version"], list(meta["trained_batch_ids"])
-        t_offset = meta.get("wall_time_s", 0.0)
-        log.info("resumed from step %d (version %d)", step, version)
-    trained_set = set(trained)
+        progress = Progress(step, meta["version"], list(meta["trained_batch_ids"]),
+                            meta.get("wall_time_s", 0.0))
+        log.info("resumed from step %d (version %d)", step, progress.version)
     injector = LagInjector(cfg.lag_injection, history) if cfg.lag_injection.enabled else None
 
     # ------------------------------------------------------------------ transport, outputs
-    # Process 0 talks to the queue and writes the run's files; the others hold stand-ins.
-    queue, files = multihost.primary_or(
-        lambda: (RolloutQueueClient(queue_address(cfg.transport), **client_kwargs(cfg.transport)),
-                 multihost.RunFiles(workdir)),
-        (multihost.NullQueue(), multihost.Silent()))
-    queue.wait_ready(60.0)
-    feed = multihost.BatchFeed(queue)
-    acks = BatchAcks(queue, ckpt)
+    # Process 0 writes the run's files; the others hold a stand-in (as for `batches`).
+    files = multihost.primary_or(lambda: multihost.RunFiles(workdir), multihost.Silent())
+    batches.wait_ready(60.0)
+    feed = multihost.BatchFeed(batches)
+    acks = BatchAcks(batches, ckpt)
     lag_ctl = LagController.from_config(cfg)  # the allowed lag: fixed, or closed-loop
     recorder = recording.recorder(cfg, workdir, init_checkpoint)  # learner.record_batches
-
-    def ship(version: int, host) -> Dict[str, np.ndarray]:
-        """Announce `version` to the queue, then ship it (this order: rollouts sampled with
-        it may reach the queue the moment an engine has it). Returns the current params.
-        Runs on the publication thread."""
-        flat = flat_params(host)
-        try:
-            queue.set_version(version, **lag_ctl.announce())
-        except QueueUnavailable as e:  # restarting: the next get_batch announces it
-            log.warning("could not announce version %d to the queue: %s", version, e)
-        if injector is None:
-            weight_sink.publish(version, flat)
-        else:  # version - k's params, with their policy version in the header
-            policy_version, params = injector.ship(version, host)
-            weight_sink.publish(version, flat_params(params), policy_version)
-        return flat
-
-    publication = Publication(ship)
-    publication.submit(version, state.params)
+    publication = Publication(Shipper(batches, weight_sink, injector))
+    publication.submit(progress.version, state.params, lag_ctl.announce())
     params_flat = publication.result()
-    t0 = time.time() - t_offset
-
-    def checkpoint() -> None:
-        if injector is not None:  # its history must hold the version just published
-            publication.result()
-        acks.checkpoint(step, state, {"version": version, "trained_batch_ids": trained[-10000:],
-                                      "wall_time_s": time.time() - t0},
-                        history=None if injector is None else injector.history)
+    t0 = clock() - progress.wall_offset_s
 
     consecutive_skips, last = 0, {}
-    if evaluate is not None and step == 0:
-        last = evaluate(params_flat, version)
-        files.metrics(0, {"version": version, "wall_time_s": time.time() - t0, **last})
+    if evaluate is not None and progress.step == 0:
+        last = evaluate(params_flat, progress.version)
+        files.metrics(0, {"version": progress.version, "wall_time_s": clock() - t0, **last})
 
     # ------------------------------------------------------------------ loop
     # The wait for a batch runs from the end of the previous step's work to the arrival of the
     # batch trained next: empty polls, queue outages and redelivered committed batches count.
-    t_wait = time.time()
+    t_wait = clock()
     try:
-        while step < L.total_steps:
+        while progress.step < L.total_steps:
+            step, version = progress.step, progress.version
             batch, stop = feed.next(L.batch_groups, L.get_timeout_s, version,
                                     stop=stop_event is not None and stop_event.is_set(),
                                     **lag_ctl.announce())
@@ -272,44 +362,35 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                 break
             if batch is None:
                 continue
-            wait_s = time.time() - t_wait
+            wait_s = clock() - t_wait
             rollouts = sorted(batch.rollouts, key=lambda r: _group_key(r.group_id))
-            if batch.batch_id in trained_set:  # committed before a crash: never train twice
+            if batch.batch_id in progress.trained_set:  # committed before a crash: never twice
                 files.batch(batch_record(batch, rollouts, "skipped_committed", step, version))
                 acks.ack([batch.batch_id])
                 continue
             packed = batching.pack(rollouts, version, **pack_kw)
-            t_step = time.time()
+            t_step = clock()
             state, metrics = step_fn(state, ts.place_batch(packed.arrays, mesh))
             metrics = flatten_metrics(jax.device_get(metrics))
-            step_s = time.time() - t_step
+            step_s = clock() - t_step
             control = lag_ctl.update(metrics, packed.arrays, wait_s, step_s)  # announced next
             skipped = int(metrics["skipped"])
             consecutive_skips = consecutive_skips + 1 if skipped else 0
 
             files.batch(dict(batch_record(batch, rollouts, "trained", step + 1, version),
                              update_skipped=bool(skipped)))
-            step += 1
-            version += 1
-            trained.append(batch.batch_id)
-            trained_set.add(batch.batch_id)
+            progress.trained_one(batch.batch_id)
+            step, version = progress.step, progress.version
             acks.unacked.append(batch.batch_id)
-            t_sync = time.time()
-            publication.submit(version, state.params)
-            sync_s = time.time() - t_sync
+            t_sync = clock()
+            publication.submit(version, state.params, lag_ctl.announce())
+            sync_s = clock() - t_sync
 
-            record = {"version": version, "wall_time_s": time.time() - t0,
-                      "learner/step_time_s": step_s, "learner/wait_time_s": wait_s,
-                      "learner/tokens": packed.num_tokens, "learner/pack_fill": packed.fill,
-                      "learner/tokens_per_s": packed.num_tokens / max(step_s, 1e-9),
-                      "learner/lr": float(schedule(step - 1)), "learner/skipped_steps": skipped,
-                      "weight_sync/time_s": sync_s,
-                      "weight_sync/background_s": publication.last_duration_s,
-                      "queue/redelivered": int(batch.redelivered),
-                      "queue/unavailable_errors": feed.unavailable}
-            record.update(batch_metrics(rollouts, packed, version - 1))
-            record.update({f"loss/{k}": float(v) for k, v in metrics.items()})
-            record.update(control)
+            record = step_record(
+                version=version, wall_time_s=clock() - t0, step_s=step_s, wait_s=wait_s,
+                sync_s=sync_s, packed=packed, lr=float(schedule(step - 1)), skipped=skipped,
+                publication=publication, batch=batch, feed=feed, rollouts=rollouts,
+                metrics=metrics, control=control)
             if recorder is not None:  # the exact arrays just trained on, for replay
                 recorder.record(step, version - 1, batch.batch_id, rollouts, packed.arrays, record)
             if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
@@ -317,17 +398,17 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                 record.update(last)
             files.metrics(step, record)
             if step % L.checkpoint_every == 0 or step == L.total_steps:
-                checkpoint()
+                save_checkpoint(acks, progress, state, clock() - t0, publication, injector)
             else:  # the previous save is durable: let the queue forget its batches
                 acks.ack_durable()
             if consecutive_skips >= L.max_consecutive_skips:
-                checkpoint()
+                save_checkpoint(acks, progress, state, clock() - t0, publication, injector)
                 ckpt.wait()
                 raise TooManySkippedSteps(
                     f"{consecutive_skips} consecutive steps had a non-finite loss or gradient "
                     f"(learner.max_consecutive_skips={L.max_consecutive_skips}); stopped at step "
                     f"{step} with a checkpoint of the last good state in {ckpt.directory}")
-            t_wait = time.time()
+            t_wait = clock()
     except BaseException:  # the thread must not ship into a sink the caller closes
         publication.abandon()
         raise
@@ -335,10 +416,9 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     # ------------------------------------------------------------------ end
     publication.close()  # the last version is out before the run reports done
     if acks.unacked:
-        checkpoint()
+        save_checkpoint(acks, progress, state, clock() - t0, publication, injector)
     acks.finish()
     ckpt.close()
     files.close()
-    files.done({"step": step, "version": version})
-    queue.close()
-    return {"step": step, "version": version, **last}
+    files.done({"step": progress.step, "version": progress.version})
+    return {"step": progress.step, "version": progress.version, **last}

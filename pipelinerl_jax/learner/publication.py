@@ -1,7 +1,7 @@
 """Weight publication overlapped with the next train step.
 
-    pub = Publication(ship)                 # ship(version, host_params) -> flat params
-    pub.submit(version, state.params)       # after each step: snapshot, then returns
+    pub = Publication(ship)                 # ship(version, host_params, *args) -> flat params
+    pub.submit(version, state.params, *args)  # after each step: snapshot, then returns
     flat = pub.result()                     # the newest version's flat params (waits)
     pub.close()                             # the run's end: waits for the last one
 
@@ -10,7 +10,9 @@
 once; a multi-process learner's cross-process leaves are gathered to host right there) and
 hands it to one background thread, which fetches it to host and calls `ship` (announce the
 version to the queue, then deliver it through the weight sink). One thread, first in first
-out: versions go out in order and none is skipped (no coalescing). At most one publication is
+out: versions go out in order and none is skipped (no coalescing). `ship` shares nothing with
+the caller's thread by accident: whatever a version needs that the caller may change later
+travels as `args`, taken at `submit`. At most one publication is
 in flight: `submit` first waits for the previous one, so a publisher slower than the learner
 slows the learner down instead of piling up device copies (device memory: one extra copy of
 the params). An error in the background is raised in the learner by the next call.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent import futures
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
 import numpy as np
@@ -39,8 +41,10 @@ Flat = Dict[str, np.ndarray]
 class Publication:
     """Publishes versions from a background thread, in order, one in flight at a time.
 
-    `ship(version, host_params) -> flat params`: runs on the background thread.
+    `ship(version, host_params, *args) -> flat params`: runs on the background thread.
     `background`: False runs `ship` on the caller's thread (the blocking behaviour).
+    `last_duration_s` (host fetch + ship of the newest publication collected by `submit` or
+    `result`) is written on the caller's thread only.
     """
 
     def __init__(self, ship: Callable[[int, Any], Flat], background: bool = True):
@@ -50,15 +54,15 @@ class Publication:
         self.last_version = -1
         self.last_duration_s = 0.0  # of the newest finished publication (host fetch + ship)
 
-    def _run(self, version: int, snapshot) -> Flat:
+    def _run(self, version: int, snapshot, args) -> Tuple[Flat, float]:
         t = time.perf_counter()
-        flat = self._ship(version, jax.device_get(snapshot))
-        self.last_duration_s = time.perf_counter() - t
-        return flat
+        flat = self._ship(version, jax.device_get(snapshot), *args)
+        return flat, time.perf_counter() - t
 
-    def submit(self, version: int, params) -> None:
-        """Publishes `params` as `version` (> every version before); returns once the
-        previous publication finished and this one's snapshot is taken."""
+    def submit(self, version: int, params, *args) -> None:
+        """Publishes `params` as `version` (> every version before), handing `args` to `ship`
+        with it; returns once the previous publication finished and this one's snapshot is
+        taken."""
         if version <= self.last_version:
             raise ValueError(f"version {version} published after {self.last_version}")
         self.result()
@@ -66,13 +70,16 @@ class Publication:
         self.last_version = version
         if self._pool is None:
             self._pending = futures.Future()
-            self._pending.set_result(self._run(version, snapshot))
+            self._pending.set_result(self._run(version, snapshot, args))
         else:
-            self._pending = self._pool.submit(self._run, version, snapshot)
+            self._pending = self._pool.submit(self._run, version, snapshot, args)
 
     def result(self) -> Optional[Flat]:
         """Waits for the newest submitted version's publication; its flat host params."""
-        return None if self._pending is None else self._pending.result()
+        if self._pending is None:
+            return None
+        flat, self.last_duration_s = self._pending.result()
+        return flat
 
     def close(self) -> None:
         """Waits for the last publication (raising its error), then stops the thread."""

@@ -66,7 +66,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     step_fn = ts.make_train_step(graphdef, optimizer, get_loss("reinforce", diagnostics=False), mesh=mesh,
                                  state_sharding=ts.state_shardings(state),
                                  micro_batches=s.micro_batches)
-    pack_kw = dict(num_seqs=s.batch_size, chunks=s.micro_batches, pack_len=cfg.engine.max_seq_len,
+    pack_kw = dict(num_seqs=s.batch_size, chunks=s.micro_batches, pack_len=cfg.model.max_seq_len,
                    completion_len=completion_tokens(cfg),
                    row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
     demos = demo_rollouts(task, tok, cfg.seed)

@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipelinerl_jax.lag_buckets import LAG_BUCKETS, LOWER_EDGES
 from pipelinerl_jax.losses.core import MAX_LOG_RATIO, LossInputs, Prepared, prepare, sg
 
 Array = jax.Array
 
-LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9+")
-_BUCKET_LOWER_EDGES = (1, 2, 3, 5, 9)  # lag >= edge moves a token up one bucket
+_BUCKET_LOWER_EDGES = LOWER_EDGES[1:]  # lag >= edge moves a token up one bucket
 _CHUNK = 8  # columns per bucket-sum contraction
 CLIP_KEYS = ("clip_low_frac_pos_adv", "clip_low_frac_neg_adv",
              "clip_high_frac_pos_adv", "clip_high_frac_neg_adv")

@@ -104,7 +104,7 @@ def validate_engine_config(cfg, prefix: str = "engine") -> None:
 
 def validate_run_config(cfg, selected: bool) -> None:
     """The `engine` section of run config `cfg` (the 'jax' row's check), whatever
-    `sampler.kind` is: `engine.max_seq_len` also bounds the prompts of other backends."""
+    `sampler.kind` is, so a switch of kind finds no surprise."""
     validate_engine_config(cfg.engine, "engine")
 
 

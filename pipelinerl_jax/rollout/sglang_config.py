@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax.rollout.sglang_client import parse_url
@@ -19,6 +20,9 @@ def sglang_config() -> ml_collections.ConfigDict:
     """Defaults of the `sglang` config section (validated by `validate_sglang_config`)."""
     c = ml_collections.ConfigDict()
     c.urls = ()  # 'http://host:port' of every server; split among rollout workers
+    # The context the servers were launched with (--context-length): requests are bounded by
+    # it. In a run config None = model.max_seq_len (run_config.resolve).
+    c.max_seq_len = config_dict.placeholder(int)
     c.concurrency_per_server = 64  # samples in flight per server (routing limit)
     c.connect_timeout_s = 5.0
     c.request_timeout_s = 3600.0  # one /generate call (long generations)
@@ -58,6 +62,8 @@ def validate_sglang_config(cfg, prefix: str = "sglang", *, required: bool = Fals
         raise cfg_lib.ConfigError(k("urls"), f"{len(urls)} server(s) for {num_workers} rollout "
                                              "worker(s) (sampler.kind='sglang'): each worker "
                                              "needs at least one server of its own")
+    if cfg["max_seq_len"] is not None:
+        cfg_lib.positive_int(root, k("max_seq_len"))
     for name in ("concurrency_per_server", "max_resubmits"):
         cfg_lib.positive_int(root, k(name), allow_zero=name == "max_resubmits")
     cfg_lib.positive_int(root, k("max_retries"), allow_zero=True)

@@ -560,7 +560,7 @@ def make_sglang_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> S
     urls = tuple(cfg.sglang.urls)[index::cfg.rollout.num_workers]
     model_cfg = resolve_model_config(cfg.model, get_tokenizer(cfg.tokenizer).vocab_size)
     return SGLangEngine(urls, cfg.sglang, vocab_size=model_cfg.vocab_size,
-                        max_seq_len=cfg.engine.max_seq_len, version=-1,
+                        max_seq_len=cfg.sglang.max_seq_len, version=-1,
                         engine_id=f"sglang-{index}",
                         weights_dir=weight_sink.weights_dir(cfg, workdir), model_config=model_cfg,
                         require_refit=True)

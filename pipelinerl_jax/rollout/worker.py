@@ -92,7 +92,9 @@ class RolloutWorker:
         self.num_workers = cfg.rollout.num_workers
         self.group_size = cfg.rollout.group_size
         self.batch_groups = cfg.learner.batch_groups
-        self.max_lag = 0 if cfg.mode == "sync" or cfg.lag_injection.enabled else cfg.max_lag
+        self.max_lag = cfg.rollout.admission_lag  # run_config.lag_limits, set by resolve
+        if self.max_lag is None:
+            raise ValueError("RolloutWorker needs a resolved run config (run_config.resolve)")
         self._advantages = lambda rewards, lengths, truncated: advantages_from_config(
             cfg.rollout.advantage, rewards, lengths=lengths,
             max_length=completion_tokens(cfg), truncated=truncated)

@@ -20,6 +20,7 @@ def results_dir(tmp_path_factory):
     return synthetic.write_results(str(tmp_path_factory.mktemp("results")))
 
 
+@pytest.mark.slow
 def test_script_draws_every_figure_and_names_bad_runs(results_dir, tmp_path):
     out = tmp_path / "figs"
     missing = str(tmp_path / "no_such_grid")

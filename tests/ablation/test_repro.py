@@ -6,6 +6,8 @@ import subprocess
 import sys
 import zlib
 
+import pytest
+
 from pipeline_testlib import ROOT
 from pipelinerl_jax.ablation import repro, results, staleness
 
@@ -137,6 +139,7 @@ def test_accuracy_table_and_ess_analysis(tmp_path):
     assert "| tis |" in md and "right in 83%" in md
 
 
+@pytest.mark.slow
 def test_scripts_on_committed_tables(tmp_path):
     folder = _tables(tmp_path, [("tis", "tis", {0: {}, 8: dict(drop=0.05, ess=0.4)}, {}),
                                 ("m2po", "m2po", {0: {}, 32: {}}, {}),

@@ -78,19 +78,22 @@ def test_agent_pipeline_trains_exactly_the_episodes(tmp_path, monkeypatch):
     tok = get_tokenizer(cfg.tokenizer)
     engine = recording(make_jax_engine(cfg, init, 0, workdir))
     client = RolloutQueueClient(server.address)
+    learner_queue = RolloutQueueClient(server.address)
     worker = RolloutWorker(cfg, engine, build_task(cfg), tok, client, workdir=workdir)
     sink = InProcessSink()
     sink.worker = worker
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
-        out = learner_loop.run_learner(cfg, workdir, init, weight_sink=sink)
+        out = learner_loop.run_learner(cfg, workdir, init, batches=learner_queue,
+                                       weight_sink=sink)
     finally:
         worker.stop()
         thread.join(60)
         worker.close()
         engine.close()
         client.close()
+        learner_queue.close()
         server.stop(0)
     assert out["step"] == 5 and len(trained) == 5
 

@@ -19,7 +19,7 @@ from pipelinerl_jax.types import Rollout
 def agent_config(**env):
     cfg = base_config()
     cfg.task.name = "calculator"
-    cfg.engine.max_seq_len = cfg.model.max_seq_len = 128
+    cfg.model.max_seq_len = 128
     cfg.env.update(env)
     return cfg
 
@@ -42,7 +42,7 @@ def test_task_name_picks_an_environment_configured_by_the_env_section():
 
 @pytest.mark.parametrize("change,key", [
     (dict(max_ops=9), "env.max_ops"),
-    (dict(max_episode_tokens=200), "env.max_episode_tokens"),  # > engine.max_seq_len
+    (dict(max_episode_tokens=200), "env.max_episode_tokens"),  # > model.max_seq_len
     (dict(max_episode_tokens=30), "env.max_episode_tokens"),  # no room for a correct episode
     (dict(max_turn_tokens=0), "env.max_turn_tokens"),
     (dict(tool_timeout_s=0.0), "env.tool_timeout_s"),
@@ -58,12 +58,14 @@ def test_env_errors_name_the_key(change, key):
     assert e.value.key == key, str(e.value)
 
 
-def test_no_episode_budget_names_the_engine_context():
+@pytest.mark.parametrize("key", ["model.max_seq_len", "engine.max_seq_len"])
+def test_no_episode_budget_names_the_key_that_set_the_context(key):
     cfg = agent_config(max_episode_tokens=0)
-    cfg.engine.max_seq_len = 40
+    section, leaf = key.split(".")
+    cfg[section][leaf] = 40  # the run's context, or only the engine's (a shorter cache)
     with pytest.raises(ConfigError) as e:
         validate(cfg)
-    assert e.value.key == "engine.max_seq_len", str(e.value)
+    assert e.value.key == key, str(e.value)
 
 
 def episode_rollout(rng, segments, version=3, advantage=0.5):

@@ -5,7 +5,7 @@ import numpy as np
 
 from pipelinerl_jax.envs import CalculatorTask
 from pipelinerl_jax.rollout.worker import RolloutWorker
-from pipelinerl_jax.run_config import base_config, validate
+from pipelinerl_jax.run_config import base_config, resolve, validate
 from pipelinerl_jax.transport import codec
 from tests.envs.scripted_engine import ScriptedEngine
 
@@ -62,12 +62,12 @@ def make_worker(tok, task, dynamic_sampling=True):
     cfg.task.name = "calculator"
     cfg.env.dynamic_sampling = dynamic_sampling
     cfg.env.max_episode_tokens = 128
-    cfg.engine.max_seq_len = 128
     cfg.model.max_seq_len = 128
     cfg.rollout.group_size = 3
     cfg.learner.batch_groups = 4
     cfg.max_lag = 1
     validate(cfg)
+    cfg = resolve(cfg)
     policy = demo_policy(task, tok)
     # the policy looks a problem's steps up by its prompt
     for p in _take(task.problems(cfg.seed * 1009), 200):

@@ -8,13 +8,15 @@ from pipelinerl_jax.envs import EpisodeRunner
 from pipelinerl_jax.models import save_pretrained
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
 from pipelinerl_jax.rollout.worker import RolloutWorker
-from pipelinerl_jax.run_config import base_config
+from pipelinerl_jax.run_config import base_config, resolve
 from pipelinerl_jax.testing.sglang_process import ServerProcess
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from tests.envs.conftest import (RANDOM_MODEL_STOPS, ToyTask, check_logps, check_token_exact,
                                  recording, toy_problem)
 from tests.envs.episode_checks import match_engine
 from tests.rollout.conftest import full_logits, make_model, reference  # noqa: F401
+
+pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)
 
 SHAPE = '{"max_slots": 4, "max_seq_len": 48, "prefill_buckets": [48], "cache_buckets": [48], ' \
         '"max_prefill_batch": 1, "steps_per_sync": 4}'
@@ -72,8 +74,9 @@ def test_worker_runs_multi_turn_groups_through_sglang(tok, server, reference):  
     cfg = base_config()
     cfg.task.name = "calculator"  # any environment: the worker plays the task it is given
     cfg.env.max_turn_tokens, cfg.env.max_episode_tokens = 10, 48
-    cfg.engine.max_seq_len = 48
+    cfg.model.max_seq_len = 48
     cfg.rollout.group_size, cfg.learner.batch_groups = 2, 2
+    cfg = resolve(cfg)
     queue = RolloutQueueServer().start()
     client = RolloutQueueClient(queue.address)
     eng = recording(SGLangEngine([proc.url], dict(health_deadline_s=60.0), vocab_size=64,

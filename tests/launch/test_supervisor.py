@@ -45,9 +45,8 @@ def test_stop_kills_a_child_that_ignores_sigterm(tmp_path):
                "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
                "time.sleep(120)").start()
     _wait_for_line(c.log_path, "up")
-    t0 = time.time()
     c.stop(0.5)
-    assert c.poll() == -9 and time.time() - t0 < 10
+    assert c.poll() == -9  # killed: it would have slept 120 s otherwise
 
 
 def test_wait_past_its_timeout_stops_the_child_and_returns_minus_one(tmp_path):
@@ -146,14 +145,15 @@ def test_stop_records_how_long_the_child_took(tmp_path):
     c.exited(c.poll())
     start, stop, exit_ = _events(tmp_path)
     assert (stop["event"], stop["child"], stop["killed"]) == ("stop", "w", False)
-    assert 0 <= stop["seconds"] < 10 and stop["code"] == -15
+    assert stop["seconds"] >= 0 and stop["code"] == -15
     assert (exit_["event"], exit_["code"]) == ("exit", -15)
 
 
 def test_poll_with_a_timeout_returns_as_soon_as_the_child_exits(tmp_path):
     c = _child(tmp_path, "quick", "import time; time.sleep(0.2)").start()
-    t0 = time.time()
-    assert c.poll(timeout=30.0) == 0 and time.time() - t0 < 10
+    # A poll that waited out its timeout instead would hold this test for an hour (a hang,
+    # never a pass); no duration is measured, so a slow machine cannot fail it.
+    assert c.poll(timeout=3600.0) == 0
     slow = _child(tmp_path, "slow", "import time; time.sleep(120)").start()
     assert slow.poll(timeout=0.1) is None
     slow.stop(5.0)

@@ -17,7 +17,7 @@ def _config(**warm):
     c = default.get_config("quick")
     c.task.median_length, c.task.p99_length, c.task.max_length = 3, 6, 8
     c.sampling.max_new_tokens = 9
-    c.model.max_seq_len = c.engine.max_seq_len = 32
+    c.model.max_seq_len = 32
     c.learner.eval_size = 0
     c.learner.eval_every = 0
     c.warm_start.update(warm)

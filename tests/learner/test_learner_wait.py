@@ -1,12 +1,12 @@
-"""`run_learner` against a fake queue: `learner/wait_time_s` is the whole wait for a batch
-(every empty poll and queue outage since the previous step's work ended), and every
-`metrics.jsonl` row carries its absolute time."""
+"""`run_learner` handed a scripted batch source and a fake clock: `learner/wait_time_s` is the
+whole wait for a batch (every empty poll and queue outage since the previous step's work
+ended), every `metrics.jsonl` row carries its absolute time, and each version is announced
+with the lag limit decided when it was trained."""
 import json
 import time
 
 import grpc
 import numpy as np
-import pytest
 
 from pipelinerl_jax.learner import loop
 from pipelinerl_jax.models import save_pretrained
@@ -16,7 +16,7 @@ from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport.queue_client import QueueUnavailable
 from pipelinerl_jax.types import Rollout
 
-PAUSE_S = 0.4
+PAUSE_S = 0.5  # what an empty poll or an outage costs on the fake clock (exact in binary)
 
 
 class _Batch:
@@ -36,38 +36,45 @@ def _group(i, vocab):
             for k in range(2)]
 
 
+class _Clock:
+    """Seconds that pass only when the fake queue says so: the learner's own work takes none."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 class _FakeQueue:
-    """Step 1's batch comes after an empty poll and an outage, PAUSE_S each; step 2's at once."""
+    """Step 1's batch comes after an empty poll and an outage, PAUSE_S each; step 2's at once.
+    Records every announcement (version, lag limit)."""
 
-    def __init__(self, vocab):
-        self.vocab, self.calls = vocab, 0
+    def __init__(self, vocab, clock):
+        self.vocab, self.clock, self.calls = vocab, clock, 0
         self.script = ["empty", "down", "batch", "batch"]
+        self.announced = []
 
-    def __call__(self, *args, **kwargs):  # stands in for the RolloutQueueClient class
-        return self
-
-    def get_batch(self, num_groups, timeout_s, learner_version=None):
+    def get_batch(self, num_groups, timeout_s, learner_version=None, **announce):
         what = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1
         if what == "empty":
-            time.sleep(PAUSE_S)
+            self.clock.now += PAUSE_S
             return None
         if what == "down":
-            time.sleep(PAUSE_S)
+            self.clock.now += PAUSE_S
             raise QueueUnavailable(grpc.StatusCode.UNAVAILABLE, "restarting")
         return _Batch(self.calls, _group(self.calls, self.vocab))
 
     def wait_ready(self, timeout):
         pass
 
-    def set_version(self, version):
+    def set_version(self, version, **announce):
+        self.announced.append((version, announce.get("max_lag")))
         return version
 
     def ack(self, batch_ids):
         return len(batch_ids)
-
-    def close(self):
-        pass
 
 
 class _Sink:
@@ -75,26 +82,38 @@ class _Sink:
         pass
 
 
-def test_wait_time_counts_every_poll_since_the_last_step(tmp_path, monkeypatch):
+def test_wait_time_counts_every_poll_and_each_version_announces_its_own_limit(tmp_path,
+                                                                           monkeypatch):
     cfg = base_config()
     cfg.learner.total_steps, cfg.learner.batch_groups = 2, 1
     cfg.learner.checkpoint_every, cfg.learner.eval_every = 10, 0
     cfg.rollout.group_size = 2
-    cfg.sampling.max_new_tokens, cfg.engine.max_seq_len = 8, 16
+    cfg.sampling.max_new_tokens, cfg.model.max_seq_len = 8, 16
+    cfg.lag_control.enabled = True
+    limits = iter([3, 1])  # the controller's limit after step 1, after step 2
+
+    def update(self, metrics, arrays, wait_s=0.0, step_s=0.0):
+        self.limit = next(limits)
+        return {"lag_control/max_lag": self.limit}
+    monkeypatch.setattr(loop.LagController, "update", update)
     tok = get_tokenizer(cfg.tokenizer)
     init = str(tmp_path / "init")
     save_pretrained(build_model(cfg.model, tok.vocab_size), init)
-    monkeypatch.setattr(loop, "RolloutQueueClient", _FakeQueue(tok.vocab_size))
+    clock = _Clock()
+    queue = _FakeQueue(tok.vocab_size, clock)
     t_start = time.time()
-    out = loop.run_learner(cfg, str(tmp_path / "run"), init, weight_sink=_Sink())
+    out = loop.run_learner(cfg, str(tmp_path / "run"), init, batches=queue, weight_sink=_Sink(),
+                           clock=clock)
     assert out["step"] == 2
     with open(tmp_path / "run" / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    first, second = rows
-    # Step 1 waited through an empty poll and an outage: both count (the old clock restarted
-    # at every poll and reported only the last, instant one).
-    assert first["learner/wait_time_s"] == pytest.approx(2 * PAUSE_S, abs=0.3)
-    assert second["learner/wait_time_s"] < PAUSE_S
+        first, second = [json.loads(line) for line in f]
+    # Step 1 waited through an empty poll and an outage: both count (a clock restarted at
+    # every poll would report only the last, instant one).
+    assert first["learner/wait_time_s"] == 2 * PAUSE_S
+    assert second["learner/wait_time_s"] == 0.0
     assert first["queue/unavailable_errors"] == 1
+    assert first["wall_time_s"] == second["wall_time_s"] == 2 * PAUSE_S  # the same clock
     # Absolute time: within this test, and in step order.
     assert t_start <= first["time_unix"] <= second["time_unix"] <= time.time()
+    # Every version, in order, with the limit decided when it was trained.
+    assert queue.announced == [(0, cfg.max_lag), (1, 3), (2, 1)]

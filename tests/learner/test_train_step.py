@@ -84,8 +84,7 @@ def _batch(mesh, chunks=1, seed=0):
                          completion_len=20, row_divisor=sharding.batch_divisor(mesh)).arrays
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
-def test_sharded_step_equals_single_device():
+def test_sharded_step_equals_single_device(eight_devices):
     single_mesh, mesh = sharding.make_mesh((1, 1, 1)), sharding.make_mesh((2, 2, 2))
     s1, f1 = _step_setup(single_mesh)
     s8, f8 = _step_setup(mesh)

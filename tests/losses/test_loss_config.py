@@ -2,10 +2,12 @@
 through ml_collections.config_flags with a locked config."""
 import textwrap
 
+import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from losses_testlib import make_inputs, run_many
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.losses import (LOSSES, advantage_config, get_loss, hparams_of, loss_config,
                                    loss_from_config, needs_proximal, validate_loss_config)
@@ -91,10 +93,21 @@ def test_config_section_builds_every_loss_with_its_defaults():
         assert loss_from_config(cfg).hparams == get_loss(name).hparams
 
 
-def test_a_loss_declares_whether_it_uses_the_proximal_policy():
-    # Decoupled objectives (DESIGN.md): their logp_old is logp_proximal when one is given.
-    declared = {name for name in LOSSES if needs_proximal(name)}
-    assert declared == {"decoupled_ppo", "icepop", "staleness_clip"}
+def test_a_loss_needs_the_proximal_policy_exactly_when_it_weighs_both_old_policies():
+    """Decoupled objectives (DESIGN.md) take the proximal ratio and the behaviour weight:
+    given a proximal policy, their value moves with both `logp_proximal` and
+    `logp_behaviour`. Every other loss reads at most one of them, so the learner's proximal
+    recompute ('auto') would be wasted on it. Checked on the losses' outputs, for every
+    registered loss, not against a list of names."""
+    names = sorted(LOSSES)
+    base = make_inputs(seed=5)
+    moved = [base, dict(base, logp_proximal=base["logp_proximal"] + 0.3),
+             dict(base, logp_behaviour=base["logp_behaviour"] - 0.3)]
+    losses = [[loss for loss, _ in run_many([(n, {}) for n in names], x)] for x in moved]
+    uses_both = {n for n, l0, lp, lm in zip(names, *losses)
+                 if not np.isclose(l0, lp, rtol=1e-6) and not np.isclose(l0, lm, rtol=1e-6)}
+    assert uses_both and uses_both != set(names)
+    assert uses_both == {name for name in LOSSES if needs_proximal(name)}
     for name in LOSSES:
         assert get_loss(name).needs_proximal is needs_proximal(name)
     with pytest.raises(ConfigError, match="^loss.name: unknown loss 'tiss'"):

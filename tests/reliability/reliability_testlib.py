@@ -122,14 +122,14 @@ def sigkill(pid: int) -> None:
 
 def tiny_config():
     """The experiment config of the tiny runs, for in-process tests (worker, engine)."""
-    from pipelinerl_jax.run_config import base_config
+    from pipelinerl_jax.run_config import base_config, resolve
     cfg = base_config()
     cfg.task.median_length, cfg.task.p99_length, cfg.task.max_length = 3, 6, 8
     cfg.sampling.max_new_tokens = 9
-    cfg.engine.max_seq_len = cfg.model.max_seq_len = 32
+    cfg.model.max_seq_len = 32
     cfg.engine.max_slots = 8
     cfg.learner.batch_groups = cfg.rollout.group_size = 2
-    return cfg
+    return resolve(cfg)
 
 
 def weights_publisher_main(conn, files: dict, chunk_bytes: int,

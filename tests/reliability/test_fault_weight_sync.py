@@ -7,6 +7,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from pipelinerl_jax.models import flat_params, from_pretrained
@@ -20,6 +21,8 @@ from pipelinerl_jax.transport.queue_client import RetryPolicy
 from pipelinerl_jax.transport.weights import WeightSubscriber
 from pipelinerl_jax.types import GenerationRequest, SamplingParams
 from tests.reliability.reliability_testlib import tiny_config, weights_publisher_main
+
+pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)
 
 CTX = mp.get_context("spawn")
 

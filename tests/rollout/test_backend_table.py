@@ -22,17 +22,34 @@ def default_config():
     return mod.get_config()
 
 
-def test_the_rows():
-    assert factory.SAMPLER_KINDS == ("jax", "sglang")
-    jax, sglang = factory.backend("jax"), factory.backend("sglang")
-    assert (jax.section, jax.weight_sink) == ("engine", "stream")
-    assert (sglang.section, sglang.weight_sink) == ("sglang", "hf_dir")
-    assert all(b.weight_sink in factory.WEIGHT_SINKS for b in factory.BACKENDS.values())
-    cfg = run_config.base_config()
-    assert cfg.engine.to_dict() == jax.config().to_dict()
-    assert cfg.sglang.to_dict() == sglang.config().to_dict()
-    with pytest.raises(ValueError, match=r"unknown 'vllm'; valid: \('jax', 'sglang'\)"):
-        factory.backend("vllm")
+@pytest.mark.parametrize("kind", sorted(factory.BACKENDS))
+def test_every_row_builds_a_section_the_run_config_checks_and_resolves(kind):
+    row = factory.backend(kind)
+    assert row.weight_sink in factory.WEIGHT_SINKS  # a sink transport/weight_sink provides
+    section = run_config.base_config()[row.section].to_dict()
+    defaults = row.config().to_dict()
+    defaults.pop(run_config.CONTEXT_KEY, None)
+    assert section.pop(run_config.CONTEXT_KEY) is None  # left to resolve
+    assert section == defaults
+    cfg = default_config()
+    cfg.sampler.kind = kind
+    resolved = run_config.resolve(cfg)
+    assert resolved[row.section][run_config.CONTEXT_KEY] == cfg.model.max_seq_len
+    cfg[row.section][run_config.CONTEXT_KEY] = cfg.model.max_seq_len * 2
+    with pytest.raises(cfg_lib.ConfigError) as e:
+        run_config.validate(cfg)
+    assert e.value.key == f"{row.section}.{run_config.CONTEXT_KEY}"
+
+
+def test_an_unknown_kind_is_refused_naming_every_row():
+    with pytest.raises(ValueError) as e:
+        factory.backend("no-such-backend")
+    assert all(repr(kind) in str(e.value) for kind in factory.BACKENDS)
+    cfg = default_config()
+    cfg.sampler.kind = "no-such-backend"
+    with pytest.raises(cfg_lib.ConfigError) as e:
+        run_config.validate(cfg)
+    assert e.value.key == "sampler.kind"
 
 
 def test_a_new_backend_is_one_row(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.run_config import base_config, validate
+from pipelinerl_jax.run_config import base_config, resolve, validate
 from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
 from pipelinerl_jax.testing.sglang_process import ServerProcess
 
@@ -76,7 +76,8 @@ def test_qwen2_gsm8k_config_validates_on_local_files(tmp_path, gsm8k_rows_file):
     model_dir = str(tmp_path / "qwen")
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(
         model_dir)
-    save_pretrained(Decoder(tiny_config("qwen2", vocab_size=320), nnx.Rngs(0)), model_dir)
+    save_pretrained(Decoder(tiny_config("qwen2", vocab_size=320, max_position_embeddings=1024),
+                            nnx.Rngs(0)), model_dir)  # holds the config's context
 
     mod = load(os.path.join(ROOT, "configs", "qwen2_gsm8k_sglang.py"))
     cfg = mod.get_config("gpu8")
@@ -123,6 +124,7 @@ def test_launch_helper_commands():
                                                   "--gpus", "0,1"]))
 
 
+@pytest.mark.slow
 def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
     from pipelinerl_jax.models import Decoder, flat_params, from_pretrained, save_pretrained
     from pipelinerl_jax.models.factory import resolve_model_config
@@ -144,10 +146,11 @@ def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
         cfg.sglang.health_deadline_s = 30.0
         cfg.task.median_length, cfg.task.p99_length, cfg.task.max_length = 4, 8, 8
         cfg.sampling.max_new_tokens = 9
-        cfg.engine.max_seq_len = 32
+        cfg.model.max_seq_len = 32
         cfg.rollout.group_size = 2
         cfg.learner.batch_groups = 2
         validate(cfg)
+        cfg = resolve(cfg)
         workdir = str(tmp_path)
         tok = get_tokenizer(cfg.tokenizer)
         model = Decoder(resolve_model_config(cfg.model, tok.vocab_size), nnx.Rngs(0))

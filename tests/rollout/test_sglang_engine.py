@@ -17,6 +17,8 @@ from pipelinerl_jax.testing.sglang_process import ServerProcess
 from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
 from tests.rollout.conftest import request
 
+pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)
+
 # One engine shape for both servers: one prefill and one decode program to compile.
 SHAPE = '{"max_slots": 4, "max_seq_len": 32, "prefill_buckets": [32], "cache_buckets": [32], ' \
         '"max_prefill_batch": 1, "steps_per_sync": 4}'

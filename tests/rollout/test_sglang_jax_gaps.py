@@ -10,6 +10,8 @@ from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
 from pipelinerl_jax.testing.sglang_process import ServerProcess
 from tests.rollout.conftest import request
 
+pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)
+
 FAST = dict(health_deadline_s=30.0, backoff_initial_s=0.01, backoff_max_s=0.05)
 
 
@@ -57,11 +59,12 @@ def test_a_config_that_refits_fails_at_startup_without_the_update_endpoint(serve
     assert "/pause_generation" not in str(e.value)  # only what is missing is named
     # The pipeline's engine always refits: make_sglang_engine probes.
     from pipelinerl_jax.rollout.sglang_engine import make_sglang_engine
-    from tests.rollout.test_sglang_config import base_config
+    from tests.rollout.test_sglang_config import base_config, resolve
     cfg = base_config()
     cfg.sampler.kind = "sglang"
     cfg.sglang.urls = (server.url,)
     cfg.sglang.health_deadline_s = 30.0
+    cfg = resolve(cfg)
     with pytest.raises(MissingEndpointError, match="has no /update_weights_from_disk"):
         make_sglang_engine(cfg, "", 0, str(tmp_path))
     # Sampling alone (no refit) works against such a server.

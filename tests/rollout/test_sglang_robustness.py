@@ -12,6 +12,8 @@ from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
 from pipelinerl_jax.testing.sglang_process import ServerProcess
 from tests.rollout.conftest import request
 
+pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)
+
 FAST = dict(health_deadline_s=30.0, backoff_initial_s=0.01, backoff_max_s=0.05)
 
 

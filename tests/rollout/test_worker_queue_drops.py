@@ -5,7 +5,7 @@ drop shrank the worker's admission window by one group for good: after a learner
 import time
 
 from pipelinerl_jax.rollout.worker import RolloutWorker
-from pipelinerl_jax.run_config import base_config, validate
+from pipelinerl_jax.run_config import base_config, resolve, validate
 from pipelinerl_jax.tasks import get_task
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
@@ -18,6 +18,7 @@ def setup(max_lag, version):
     cfg.rollout.group_size = 2
     cfg.learner.batch_groups = 2
     validate(cfg)
+    cfg = resolve(cfg)
     tok = get_tokenizer(cfg.tokenizer)
     server = RolloutQueueServer(max_lag=max_lag).start()
     learner, producer = RolloutQueueClient(server.address), RolloutQueueClient(server.address)

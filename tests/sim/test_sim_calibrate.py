@@ -76,6 +76,7 @@ def _simulate_cli(*args):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_simulation_and_calibration_write_summary(tmp_path, truth):
     work = tmp_path / "sim"
     p = _simulate_cli("--config=configs/sim/tiny.py", f"--workdir={work}", "--config.steps=6",

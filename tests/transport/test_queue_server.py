@@ -59,6 +59,7 @@ def _run_producers(address, n, groups, group_size, split_every, hold_s=1.0, comp
     return procs, out_q
 
 
+@pytest.mark.slow
 def test_producer_processes_one_consumer_nothing_lost_or_split():
     n_prod, groups, size = 3, 24, 4
     with RolloutQueueServer(capacity_rollouts=48) as server:
@@ -100,6 +101,7 @@ def test_producer_processes_one_consumer_nothing_lost_or_split():
                                                 for r in results.values())
 
 
+@pytest.mark.slow
 def test_backpressure_keeps_the_queue_bounded_and_loses_nothing():
     capacity, n_prod, groups, size = 16, 2, 30, 4
     with RolloutQueueServer(capacity_rollouts=capacity, capacity_bytes=64 << 10) as server:
@@ -278,6 +280,7 @@ def test_tls_round_trip_with_a_self_signed_pair(tmp_path):
             plaintext.put_group(make_group("plain", 1), timeout_s=0.5)
 
 
+@pytest.mark.slow
 def test_standalone_server_prints_address_and_exits_on_sigterm(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("abc\n")

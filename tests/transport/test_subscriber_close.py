@@ -14,13 +14,13 @@ def _dead_address() -> str:
 
 
 def test_close_interrupts_the_reconnect_backoff():
+    # The backoff outlasts close's own timeout: a close that did not interrupt it would
+    # return with the thread still alive.
     sub = WeightSubscriber(_dead_address(), lambda *a: None,
-                           retry=RetryPolicy(initial_s=20.0, max_s=20.0))
+                           retry=RetryPolicy(initial_s=3600.0, max_s=3600.0))
     deadline = time.time() + 10
-    while sub.reconnects == 0:  # the first attempt failed: now in a 10-20 s backoff
+    while sub.reconnects == 0:  # the first attempt failed: now in a long backoff
         assert time.time() < deadline
         time.sleep(0.01)
-    t0 = time.time()
-    sub.close(timeout=30.0)
-    assert time.time() - t0 < 1.0
+    sub.close(timeout=60.0)
     assert not sub._thread.is_alive()

@@ -109,6 +109,7 @@ def test_rapid_publishing_never_applies_partial_or_mixed_versions():
     assert len(slow.versions) < 40  # it fell behind and skipped to the newest
 
 
+@pytest.mark.slow
 def test_publisher_killed_mid_stream_leaves_subscribers_on_last_complete_version(monkeypatch):
     # Slow the subscriber down (1 ms per 64 KiB chunk) so the kill lands mid-version.
     original_add = weights._Assembler.add
