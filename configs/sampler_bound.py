@@ -42,10 +42,7 @@ def get_config(arg: str = ""):
     c.learner.checkpoint_every = 30
     c.learner.keep_checkpoints = 1
     c.learner.optimizer.learning_rate = 1e-4
-    # Its warm start as measured in docs/sampler_bound.md: 300 steps of the schedule the
-    # main job used then (cosine over 1000 steps from 3e-3, stopped at step 300).
     c.warm_start.steps = 300
-    c.warm_start.optimizer.total_steps = 1000
     if arg == "quick":
         default.quick(c)
         c.rollout.group_size = 8

@@ -34,6 +34,7 @@ def get_config(arg: str = ""):
     e.learner.checkpoint_every = 20
     e.learner.keep_checkpoints = 1
     e.learner.optimizer.learning_rate = 2e-4
+    e.warm_start.steps = 300
 
     c = ablation_config(e)
     c.axes.loss = variants(*[(name, {"loss": {"name": name}}) for name in LOSSES])

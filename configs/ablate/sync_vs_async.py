@@ -28,6 +28,7 @@ def get_config(arg: str = ""):
     e.learner.checkpoint_every = 30
     e.learner.keep_checkpoints = 1
     e.learner.optimizer.learning_rate = 1e-4
+    e.warm_start.steps = 300
 
     c = ablation_config(e)
     c.axes.schedule = variants(*SCHEDULES)
