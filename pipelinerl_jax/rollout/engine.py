@@ -122,6 +122,13 @@ class InferenceEngine(abc.ABC):
         """Queues a request (non-blocking). Raises `RequestError` for a bad request (the
         engine keeps serving the others) and `EngineClosedError` after `close()`."""
 
+    def submit_batch(self, requests: Sequence[GenerationRequest]) -> None:
+        """Queues several requests as one arrival. An engine whose scheduling depends on what
+        has arrived when it looks (`JaxEngine`) takes them all at once, so the batches it
+        forms do not depend on thread timing; this default submits them one by one."""
+        for r in requests:
+            self.submit(r)
+
     @abc.abstractmethod
     def get_completions(self, timeout: Optional[float] = 0.0,
                         max_items: Optional[int] = None) -> List[Completion]:

@@ -283,31 +283,49 @@ class JaxEngine(SlotScheduler, InferenceEngine):
     # ------------------------------------------------------------------ requests
 
     def submit(self, request: GenerationRequest) -> None:
-        prompt = validate_request(request, self.model_config.vocab_size, self.max_seq_len,
-                                  self._max_stops)
-        p = request.params
-        limit = min(len(prompt) + int(p.max_new_tokens), self.max_seq_len)
-        if limit > self.kv_budget:
-            raise RequestError(f"request {request.request_id!r}: needs {limit} KV tokens "
-                               f"(prompt + max_new_tokens), more than engine.kv_budget_tokens "
-                               f"= {self.kv_budget}; it could never be admitted")
+        self.submit_batch([request])
+
+    def submit_batch(self, requests: Sequence[GenerationRequest]) -> None:
+        """Queues `requests` in one step of the queue (all or nothing: every request is
+        checked first). The loop thread sees none of them or all of them, so an idle engine
+        handed a whole batch schedules it the same way whatever the thread timing: admission
+        order, prefill batches, slots and decode chunks, and with them every bit of the
+        tokens and log-probs, are a function of the batch (lock-step runs rely on this)."""
+        checked = []
+        for request in requests:
+            prompt = validate_request(request, self.model_config.vocab_size, self.max_seq_len,
+                                      self._max_stops)
+            limit = min(len(prompt) + int(request.params.max_new_tokens), self.max_seq_len)
+            if limit > self.kv_budget:
+                raise RequestError(f"request {request.request_id!r}: needs {limit} KV tokens "
+                                   f"(prompt + max_new_tokens), more than "
+                                   f"engine.kv_budget_tokens = {self.kv_budget}; it could "
+                                   "never be admitted")
+            checked.append((request, prompt, limit))
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) < len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise RequestError(f"request {dup!r}: request_id appears twice in one batch")
         now = time.time()
         with self._cv:
             if self._closed or self._error:
                 raise EngineClosedError(f"engine {self.engine_id} is closed "
                                         f"({self._error or 'close() was called'})")
-            if request.request_id in self._live:
-                raise RequestError(f"request {request.request_id!r}: request_id is already "
-                                   "in flight on this engine")
-            if p.seed is None:
-                seed = int(np.random.default_rng([self.config.seed, self._seed_counter])
-                           .integers(2**32))
-                self._seed_counter += 1
-            else:
-                seed = int(p.seed) % 2**32
-            for i in range(int(p.n)):
-                self._queue.append(Sample(request, i, prompt, seed, limit, now))
-            self._live[request.request_id] = int(p.n)
+            for request, _, _ in checked:
+                if request.request_id in self._live:
+                    raise RequestError(f"request {request.request_id!r}: request_id is "
+                                       "already in flight on this engine")
+            for request, prompt, limit in checked:
+                p = request.params
+                if p.seed is None:
+                    seed = int(np.random.default_rng([self.config.seed, self._seed_counter])
+                               .integers(2**32))
+                    self._seed_counter += 1
+                else:
+                    seed = int(p.seed) % 2**32
+                for i in range(int(p.n)):
+                    self._queue.append(Sample(request, i, prompt, seed, limit, now))
+                self._live[request.request_id] = int(p.n)
             self._cv.notify_all()
 
     def get_completions(self, timeout: Optional[float] = 0.0,
@@ -325,11 +343,7 @@ class JaxEngine(SlotScheduler, InferenceEngine):
     def generate(self, requests: Sequence[GenerationRequest],
                  timeout: Optional[float] = None) -> List[Completion]:
         requests = list(requests)
-        for r in requests:  # all or nothing: validate every request before queueing any
-            validate_request(r, self.model_config.vocab_size, self.max_seq_len,
-                             self._max_stops)
-        for r in requests:
-            self.submit(r)
+        self.submit_batch(requests)  # all or nothing, one arrival
         wanted = {r.request_id for r in requests}
         total = sum(int(r.params.n) for r in requests)
         got: Dict[tuple, Completion] = {}

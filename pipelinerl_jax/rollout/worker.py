@@ -95,6 +95,9 @@ class RolloutWorker:
         self.max_lag = cfg.rollout.admission_lag  # run_config.lag_limits, set by resolve
         if self.max_lag is None:
             raise ValueError("RolloutWorker needs a resolved run config (run_config.resolve)")
+        # Lock-step (sync or lag injection): groups start in waves (`admit`), so the samples'
+        # bits do not depend on thread timing. Async keeps refilling as groups finish.
+        self.lockstep = cfg.mode == "sync" or bool(cfg.lag_injection.enabled)
         self._advantages = lambda rewards, lengths, truncated: advantages_from_config(
             cfg.rollout.advantage, rewards, lengths=lengths,
             max_length=completion_tokens(cfg), truncated=truncated)
@@ -268,7 +271,9 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ main loop
 
-    def submit_one(self) -> None:
+    def _start_group(self) -> Optional[GenerationRequest]:
+        """Books one new group (problem, id, seed, batch place); returns the engine request
+        to submit, or None when an environment's group runner submits the episodes itself."""
         problem = next(self.problems)
         if self.cfg.lag_injection.enabled:  # ids and seeds by (step, index in step): a
             key = f"s{self._next_slot}-{self._step_seq}"  # restarted run repeats them exactly
@@ -279,16 +284,40 @@ class RolloutWorker:
             self._seq += 1
         rid = f"w{self.index}-{key}"
         seed = int(np.random.SeedSequence(material).generate_state(1)[0] % (2**31))
+        request = None
         if self.groups is not None:
             self.groups.start(problem, group_id=rid, seed=seed)
         else:
-            self.engine.submit(GenerationRequest(
+            request = GenerationRequest(
                 rid, np.asarray(self.tok.encode_prompt(problem.prompt), np.int32),
-                SamplingParams(seed=seed, **self.sampling)))
+                SamplingParams(seed=seed, **self.sampling))
         slot = self._next_slot
         self._slots[slot] = self._slots.get(slot, 0) + 1
         self._inflight[rid] = (problem, slot)
         self.counts["started"] += 1
+        return request
+
+    def admit(self, max_requests: int) -> int:
+        """Starts every group admission allows now (up to `max_requests` in flight) and hands
+        their requests to the engine as one batch; returns how many groups started.
+
+        Lock-step runs (`lockstep`) start groups in waves: a step's whole share at once, and
+        replacements of filtered groups only once nothing is in flight. The engine then
+        always meets a wave idle and whole, so how it batches the wave (and every bit of what
+        it samples) does not depend on thread timing."""
+        if self.lockstep:
+            if self._inflight:
+                return 0
+            max_requests = max(max_requests, self.share)
+        requests, started = [], 0
+        while len(self._inflight) < max_requests and self.can_admit():
+            request = self._start_group()
+            started += 1
+            if request is not None:
+                requests.append(request)
+        if requests:
+            self.engine.submit_batch(requests)
+        return started
 
     def finish_group(self, rid: str, samples: List[Completion]) -> None:
         problem, slot = self._inflight.pop(rid)
@@ -445,8 +474,7 @@ class RolloutWorker:
                 break
             if max_seconds is not None and time.time() - t0 > max_seconds:
                 break
-            while len(self._inflight) < max_requests and self.can_admit():
-                self.submit_one()
+            self.admit(max_requests)
             if self.groups is not None:
                 for g in self.groups.poll(timeout=0.02):
                     self.finish_episodes(g)

@@ -290,7 +290,7 @@ def _run_async(s: SimSetup) -> SimResult:
         # (EnginePool.set_group_cap): its share of every batch, like a worker's `share`
         # (worker.py:144-148).
         # - max_lag (`can_admit`, worker.py:163-171): a group joins the earliest batch k whose
-        #   share is not full, counting groups in flight and queued (`submit_one` counts it,
+        #   share is not full, counting groups in flight and queued (`_start_group` counts it,
         #   worker.py:247-249; batches below the learner's version are forgotten, 163-164),
         #   and starts only while k - engine_version <= max_lag; engines run the latest
         #   published version v, so at most (v + max_lag + 1) batches start. Here a group the
