@@ -30,6 +30,9 @@ _RAW = flags.DEFINE_multi_string("raw_run", [], "A run whose raw logs (metrics, 
                                  "engine_stats, config) are copied to OUT/raw/<name>/: what the "
                                  "occupancy_vs_sim figure calibrates the simulator from. Repeat.")
 
+_FINISHED = flags.DEFINE_bool("finished_only", False, "Leave out runs that are not done or "
+                              "diverged (a grid stopped mid-way resumes them later).")
+
 
 def _analysis(roots):
     for root in roots:  # a grid's own thresholds (ablation.json), if any
@@ -46,7 +49,8 @@ def main(argv):
     if not _RESULTS.value:
         raise app.UsageError("give --results=DIR[,DIR...]")
     analysis = _analysis(_RESULTS.value)
-    out = results.export_tables(_RESULTS.value, _OUT.value, analysis)
+    out = results.export_tables(_RESULTS.value, _OUT.value, analysis,
+                                finished_only=_FINISHED.value)
     if analysis is not None:  # the grid's thresholds travel with its tables (reports read them)
         with open(os.path.join(_OUT.value, "ablation.json"), "w") as f:
             json.dump({"analysis": analysis}, f, indent=2)

@@ -454,7 +454,9 @@ STEP_COLUMNS = ("step", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean
                 "kv_lag/mean", "loss/loss", "loss/ess", "loss/clip_frac", "loss/kl_k3",
                 "loss/masked_frac", "learner/step_time_s", "learner/wait_time_s",
                 "learner/tokens", "learner/skipped_steps", "weight_sync/time_s",
-                "sampler/occupancy")
+                "sampler/occupancy",
+                # blank but for the losses that log them: how hard the correction acted
+                "loss/staleness_cap_frac", "loss/m2po_clip_low", "loss/m2po_clip_high")
 BUCKET_METRICS = ("tokens", "ess", "clip_frac", "kl_k3")
 
 
@@ -464,10 +466,16 @@ def _short(v):
     return v
 
 
-def export_tables(roots: Sequence[str], out: str, analysis=None) -> dict:
+def export_tables(roots: Sequence[str], out: str, analysis=None,
+                  finished_only: bool = False) -> dict:
     """runs.csv, cells.csv and the compact steps.csv of the runs under `roots`, small enough
-    to commit (figures and reports regenerate from them: `load_tables`)."""
+    to commit (figures and reports regenerate from them: `load_tables`). `finished_only`:
+    leave out runs that are not done or diverged (reported in `problems`)."""
     runs, problems = load_runs(roots)
+    if finished_only:  # a run stopped mid-way (its grid resumes it) is not a result yet
+        problems += [f"{r.path}: not finished ({r.status})" for r in runs
+                     if r.status not in ("done", "diverged")]
+        runs = [r for r in runs if r.status in ("done", "diverged")]
     os.makedirs(out, exist_ok=True)
     bucket_cols = [f"loss/lag_{b}/{m}" for b in LAG_BUCKETS for m in BUCKET_METRICS]
     rows = []

@@ -91,3 +91,15 @@ def test_drift_analysis_prefers_the_predictor_that_explains_both_learning_rates(
                          "verdict": "worse", "ess": 0.5, "n": 3})
     per = staleness.drift_vs_lag(rows)["tis"]
     assert per["r2_kl"] > 0.99 and per["r2_lag"] < per["r2_kl"] - 0.2
+
+
+def test_export_of_finished_runs_leaves_out_a_run_stopped_mid_way(tmp_path):
+    for name, status in (("a", "done"), ("b", "failed")):
+        synthetic.write_run(str(tmp_path / "runs" / name), injected=True, k=1, loss="tis",
+                            labels={"loss": name, "seed": "0"})
+        with open(tmp_path / "runs" / name / "status.json", "w") as f:
+            f.write('{"status": "%s"}' % status)
+    out = results.export_tables([str(tmp_path / "runs")], str(tmp_path / "t"),
+                                finished_only=True)
+    assert out["runs"] == 1 and any("not finished (failed)" in p for p in out["problems"])
+    assert results.export_tables([str(tmp_path / "runs")], str(tmp_path / "u"))["runs"] == 2
