@@ -1,5 +1,6 @@
-"""The package's seams, checked on the source (issue 13): small library files, no import
-cycles, and a learner that knows no engine."""
+"""The package's seams, checked on the source: no class working on private state that
+another class sets (a mixin split by size, not by job), no runaway file, no import cycles,
+and a learner that knows no engine."""
 from __future__ import annotations
 
 import ast
@@ -9,7 +10,11 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "pipelinerl_jax")
-MAX_LINES = 600
+# A runaway guard, not a style rule: a long module that does one job is fine (issue 24).
+MAX_LINES = 1200
+# Mixins that work on private attributes their host class sets in another file: known debt
+# (issue 24, part 5: compose instead). The list may only shrink.
+SHARED_STATE_DEBT = {"SlotScheduler", "ServerFleet"}
 # Test doubles and generated protobuf code are not library code in this sense.
 EXEMPT = ("testing" + os.sep, "_pb2")
 
@@ -60,6 +65,68 @@ def test_library_files_stay_small():
     big = {os.path.relpath(p, ROOT): n for p in MODULES.values() if _library(p)
            for n in [sum(1 for _ in open(p))] if n > MAX_LINES}
     assert not big, f"library files over {MAX_LINES} lines: {big}"
+
+
+def _class_index():
+    """{class name: (bases, names it defines or assigns: methods, class attributes,
+    self.<name> targets)} over every library module."""
+    index = {}
+    for path in MODULES.values():
+        if not _library(path):
+            continue
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                     for b in node.bases]
+            defined, reads, methods = set(), set(), set()
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    defined.add(item.name)
+                    methods.add(item.name)
+                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                    defined.update(t.id for t in targets if isinstance(t, ast.Name))
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                        and sub.value.id == "self" and sub.attr.startswith("_") \
+                        and not sub.attr.startswith("__"):
+                    (defined if isinstance(sub.ctx, (ast.Store, ast.Del)) else reads).add(
+                        sub.attr)
+            index[node.name] = (bases, defined, reads, methods)
+    return index
+
+
+def _own_and_inherited(name, index, seen=()):
+    if name not in index or name in seen:
+        return set()
+    bases, defined = index[name][:2]
+    out = set(defined)
+    for b in bases:
+        out |= _own_and_inherited(b, index, seen + (name,))
+    return out
+
+
+def test_no_class_reads_private_state_it_does_not_own():
+    """A class reads only the private attributes it (or a base) defines or assigns: a mixin
+    whose methods use `self._x` set in its host's __init__, in another file, shares private
+    state across files — the split by size that issue 24 asks to undo."""
+    index = _class_index()
+    # A base calling a method its subclasses implement (a template-method hook, e.g.
+    # LengthDistribution._raw) reads no state: only data attributes count.
+    hooks = {}
+    for sub, (bases, _, _, methods) in index.items():
+        for b in bases:
+            hooks.setdefault(b, set()).update(methods)
+    offenders = {}
+    for name, (_, _, reads, _) in index.items():
+        foreign = reads - _own_and_inherited(name, index) - hooks.get(name, set())
+        if foreign:
+            offenders[name] = sorted(foreign)[:5]
+    assert set(offenders) <= SHARED_STATE_DEBT, \
+        f"classes reading private state they do not own: { {k: v for k, v in offenders.items() if k not in SHARED_STATE_DEBT} }"
+    assert SHARED_STATE_DEBT <= set(offenders), \
+        f"no longer shares state (remove from SHARED_STATE_DEBT): {SHARED_STATE_DEBT - set(offenders)}"
 
 
 def test_no_import_cycles():
