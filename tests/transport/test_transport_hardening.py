@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -28,19 +27,10 @@ from pipelinerl_jax.transport.queue_server import SERVICE, RolloutQueueServer
 from pipelinerl_jax.transport.security import load_token
 from pipelinerl_jax.transport.weights import WeightSubscriber
 from fake_weight_stream import ScriptedPublisher, good_frames, params_of
-from transport_testlib import HandlerContext, make_group, make_rollout
+from transport_testlib import HandlerContext, eventually, make_group, make_rollout
 
 MIB = 1 << 20
 FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
-
-
-def _eventually(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _raw_put(address: str, raw: bytes, limit: int = 8 * MIB):
@@ -354,7 +344,7 @@ def test_backpressure_is_still_retried():
         t = threading.Thread(target=client.put_group, args=(make_group("second", 1),),
                              daemon=True)
         t.start()
-        assert _eventually(lambda: client.retry_counts["RESOURCE_EXHAUSTED"] >= 2)
+        assert eventually(lambda: client.retry_counts["RESOURCE_EXHAUSTED"] >= 2)
         batch = client.get_batch(1, 5.0, 0)
         client.ack([batch.batch_id])
         t.join(10)

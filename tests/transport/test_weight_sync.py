@@ -15,7 +15,7 @@ from pipelinerl_jax.transport import weights
 from pipelinerl_jax.transport.queue_client import RetryPolicy
 from pipelinerl_jax.transport.security import TLSConfig
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
-from transport_testlib import publisher_main, self_signed_pair
+from transport_testlib import eventually, publisher_main, self_signed_pair
 
 CTX = mp.get_context("spawn")
 FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
@@ -35,15 +35,6 @@ class Recorder:
         self.versions.append(version)
         self.policy_versions.append(policy_version)
         time.sleep(self.delay_s)
-
-
-def _eventually(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _params(version: int, n: int = 1000) -> dict:
@@ -132,7 +123,7 @@ def test_publisher_killed_mid_stream_leaves_subscribers_on_last_complete_version
             time.sleep(0.001)
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
-        assert _eventually(lambda: sub.versions_discarded >= 1)  # the stream broke ...
+        assert eventually(lambda: sub.versions_discarded >= 1)  # the stream broke ...
         assert sub.latest_version == 1 and rec.versions == [1]  # ... and nothing was applied
         # The publisher comes back on the same port (a restarted learner): the subscriber
         # reconnects and applies its next version.
@@ -162,7 +153,7 @@ def test_a_new_publisher_instance_may_restart_from_an_older_version():
     pub = WeightPublisher(address)  # learner resumed from the version-3 checkpoint
     try:
         pub.publish(3, _params(3))
-        assert _eventually(lambda: sub.latest_version == 3)  # (set after on_weights returns)
+        assert eventually(lambda: sub.latest_version == 3)  # (set after on_weights returns)
         assert rec.versions == [5, 3]
     finally:
         sub.close()
@@ -178,7 +169,7 @@ def test_token_and_tls_on_the_weight_service(tmp_path):
         wrong = WeightSubscriber(pub.address, bad, token="nope", tls=client_tls, retry=FAST)
         right = WeightSubscriber(pub.address, good, token="tok", tls=client_tls, retry=FAST)
         assert right.wait_for_version(1, 10)
-        assert _eventually(lambda: "UNAUTHENTICATED" in (wrong.last_error or ""))
+        assert eventually(lambda: "UNAUTHENTICATED" in (wrong.last_error or ""))
         assert wrong.latest_version == -1 and bad.versions == []
         wrong.close()
         right.close()
@@ -240,7 +231,7 @@ def test_callback_errors_do_not_kill_the_subscription():
     with WeightPublisher() as pub:
         sub = WeightSubscriber(pub.address, flaky, retry=FAST)
         pub.publish(1, _params(1))
-        assert _eventually(lambda: "engine busy" in (sub.last_error or ""))
+        assert eventually(lambda: "engine busy" in (sub.last_error or ""))
         assert calls == [1] and sub.latest_version == -1 and "engine busy" in sub.last_error
         pub.publish(2, _params(2))
         assert sub.wait_for_version(2, 10)

@@ -126,3 +126,13 @@ def self_signed_pair(directory: str, host: str = "localhost") -> tuple[str, str]
                                   serialization.PrivateFormat.PKCS8,
                                   serialization.NoEncryption()))
     return cert_path, key_path
+
+
+def eventually(condition, timeout: float = 10.0) -> bool:
+    """Polls `condition` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
