@@ -20,7 +20,8 @@ engine's `max_seq_len`), `max_env_tokens`, `tool_timeout_s`, `tool_threads`; and
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from types import ModuleType
+from typing import Any
 
 import ml_collections
 
@@ -44,9 +45,12 @@ __all__ = [
     "is_env_task", "build_task",
 ]
 
-REGISTRY: dict[str, Callable[[Any, str], EnvTask]] = {
-    "calculator": calculator.from_config,
-    "kv_lookup": kv_lookup.from_config,
+# name -> the environment's module: its `DEFAULTS` (its keys of the flat `env` section) and
+# `from_config(env_section, prefix)`, which validates them and builds its `EnvTask`. Adding an
+# environment is its module plus one line here (docs/extending.md).
+REGISTRY: dict[str, ModuleType] = {
+    "calculator": calculator,
+    "kv_lookup": kv_lookup,
 }
 if set(REGISTRY) & set(tasks.REGISTRY):  # `task.name` must say unambiguously which it is
     raise ValueError(f"environment names {sorted(set(REGISTRY) & set(tasks.REGISTRY))} are "
@@ -54,17 +58,25 @@ if set(REGISTRY) & set(tasks.REGISTRY):  # `task.name` must say unambiguously wh
 RUNNER_DEFAULTS = {"max_turns": 0, "max_turn_tokens": 32, "max_episode_tokens": 0,
                    "max_env_tokens": 64, "tool_timeout_s": 10.0, "tool_threads": 16,
                    "dynamic_sampling": False}
-_DEFAULTS = {"name": "calculator", "truncated_reward": 0.0, "tool_latency_s": 0.0,
-             **calculator.DEFAULTS, **kv_lookup.DEFAULTS, **RUNNER_DEFAULTS}
+_COMMON = {"name": "calculator", "truncated_reward": 0.0, "tool_latency_s": 0.0}
+
+
+def _defaults() -> dict:
+    """Every registered environment's keys at their defaults, plus the common and runner ones."""
+    parts = {"common": _COMMON, "runner": RUNNER_DEFAULTS}
+    for module in REGISTRY.values():
+        parts.setdefault(module.__name__.rsplit(".", 1)[-1], module.DEFAULTS)
+    return tasks.merge_defaults(parts)
 
 
 def env_config(name: str = "calculator", **overrides: Any) -> ml_collections.ConfigDict:
     """The flat `env` section with every key at its default; `overrides` replace defaults."""
-    unknown = set(overrides) - set(_DEFAULTS)
+    defaults = _defaults()
+    unknown = set(overrides) - set(defaults)
     if unknown:
         raise cfglib.ConfigError(f"env.{sorted(unknown)[0]}",
-                                 f"unknown key; valid keys: {sorted(_DEFAULTS)}")
-    cfg = ml_collections.ConfigDict(dict(_DEFAULTS))
+                                 f"unknown key; valid keys: {sorted(defaults)}")
+    cfg = ml_collections.ConfigDict(defaults)
     cfg.name = name
     cfg.update(overrides)
     return cfg
@@ -72,10 +84,10 @@ def env_config(name: str = "calculator", **overrides: Any) -> ml_collections.Con
 
 def get_env_task(cfg: Any, prefix: str = "env") -> EnvTask:
     """Validates an `env_config()` section (runner keys included) and builds its task."""
-    cfglib.check_keys(cfg, prefix, _DEFAULTS)
+    cfglib.check_keys(cfg, prefix, _defaults())
     name = cfglib.one_of(nested(prefix, cfg), f"{prefix}.name", sorted(REGISTRY))
     runner_options(cfg, prefix)
-    return REGISTRY[name](cfg, prefix)
+    return REGISTRY[name].from_config(cfg, prefix)
 
 
 def runner_options(cfg: Any, prefix: str = "env") -> dict:

@@ -16,7 +16,8 @@ keys are errors, so typos never pass silently.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from types import ModuleType
+from typing import Any
 
 import ml_collections
 
@@ -34,11 +35,13 @@ __all__ = [
     "task_config", "get_task", "validate_task_config", "merge_defaults",
 ]
 
-# name -> builder(name, task_section, prefix) that validates its own keys.
-REGISTRY: dict[str, Callable[[str, Any, str], Task]] = {
-    **{variant: synthetic.from_config for variant in synthetic.VARIANTS},
-    "countdown": countdown.from_config,
-    "gsm8k": gsm8k.from_config,
+# name -> the task's module: its `DEFAULTS` (its keys of the flat `task` section) and
+# `from_config(name, task_section, prefix)`, which validates them and builds the task. Adding a
+# task is its module plus one line here (docs/extending.md).
+REGISTRY: dict[str, ModuleType] = {
+    **{variant: synthetic for variant in synthetic.VARIANTS},
+    "countdown": countdown,
+    "gsm8k": gsm8k,
 }
 _COMMON = {"name": "reverse", "truncated_reward": 0.0}
 
@@ -60,8 +63,12 @@ def merge_defaults(parts: dict) -> dict:
     return merged
 
 
-_DEFAULTS = merge_defaults({"common": _COMMON, "synthetic": synthetic.DEFAULTS,
-                            "countdown": countdown.DEFAULTS, "gsm8k": gsm8k.DEFAULTS})
+def _defaults() -> dict:
+    """Every registered task's keys at their defaults, plus the common ones."""
+    parts = {"common": _COMMON}
+    for module in REGISTRY.values():
+        parts.setdefault(module.__name__.rsplit(".", 1)[-1], module.DEFAULTS)
+    return merge_defaults(parts)
 
 
 def task_config(name: str = "reverse", **overrides: Any) -> ml_collections.ConfigDict:
@@ -73,11 +80,12 @@ def task_config(name: str = "reverse", **overrides: Any) -> ml_collections.Confi
     `max_target`, `use_all_numbers`. gsm8k: `path`, `eval_path`, `eval_size`,
     `prompt_template`, `max_completion_tokens`.
     """
-    unknown = set(overrides) - set(_DEFAULTS)
+    defaults = _defaults()
+    unknown = set(overrides) - set(defaults)
     if unknown:
         raise cfglib.ConfigError(f"task.{sorted(unknown)[0]}",
-                                 f"unknown key; valid keys: {sorted(_DEFAULTS)}")
-    cfg = ml_collections.ConfigDict(dict(_DEFAULTS))
+                                 f"unknown key; valid keys: {sorted(defaults)}")
+    cfg = ml_collections.ConfigDict(defaults)
     cfg.name = name
     cfg.update(overrides)
     return cfg
@@ -85,9 +93,9 @@ def task_config(name: str = "reverse", **overrides: Any) -> ml_collections.Confi
 
 def get_task(cfg: Any, prefix: str = "task") -> Task:
     """Validates a `task_config()` section and builds its task (ConfigError names the key)."""
-    cfglib.check_keys(cfg, prefix, _DEFAULTS)
+    cfglib.check_keys(cfg, prefix, _defaults())
     name = cfglib.one_of(nested(prefix, cfg), f"{prefix}.name", sorted(REGISTRY))
-    return REGISTRY[name](name, cfg, prefix)
+    return REGISTRY[name].from_config(name, cfg, prefix)
 
 
 def validate_task_config(cfg: Any, prefix: str = "task") -> None:
