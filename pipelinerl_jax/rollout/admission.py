@@ -166,7 +166,8 @@ class QueueView:
         self._dropped_seen = 0  # our groups the queue reported dropped, so far
 
     def stats(self, max_age_s: float = 0.1) -> dict:
-        if self._stats is None or self.clock() - self._stats_time > max_age_s:
+        """The last stats read if younger than `max_age_s` (0: read now)."""
+        if self._stats is None or max_age_s <= 0 or self.clock() - self._stats_time > max_age_s:
             stats = self.client.stats()
             if self._server_id is not None and stats["server_id"] != self._server_id:
                 self._on_restart(stats["server_id"])
