@@ -284,19 +284,19 @@ def _run_async(s: SimSetup) -> SimResult:
         return now + max(t_train_min, _IDLE_HORIZON_FRACTION * last)
 
     def limit_admission():
-        # The rollout worker's admission control (rollout/worker.py), per sample: the pool
-        # applies these limits whenever a slot frees, as `run` asks `can_admit` whenever a
-        # request may start (worker.py:354). Engine e starts global groups e, e+E, ...
-        # (EnginePool.set_group_cap): its share of every batch, like a worker's `share`
-        # (worker.py:144-148).
-        # - max_lag (`can_admit`, worker.py:163-171): a group joins the earliest batch k whose
-        #   share is not full, counting groups in flight and queued (`_start_group` counts it,
-        #   worker.py:247-249; batches below the learner's version are forgotten, 163-164),
-        #   and starts only while k - engine_version <= max_lag; engines run the latest
-        #   published version v, so at most (v + max_lag + 1) batches start. Here a group the
-        #   queue drops as stale gives its place back; the worker never learns of such a
-        #   drop, so there its place stays taken until the learner passes its batch.
-        # - capacity: a finished group is put whole (`finish_group`, worker.py:282); a full
+        # The rollout worker's admission control (rollout/admission.py), per sample: the pool
+        # applies these limits whenever a slot frees, as the worker's loop (`RolloutWorker.
+        # admit`) asks `can_admit` whenever a request may start. Engine e starts global
+        # groups e, e+E, ... (EnginePool.set_group_cap): its share of every batch, like a
+        # worker's `share` (`admission.worker_share`).
+        # - max_lag (`PipelineAdmission.can_admit`): a group joins the earliest batch k whose
+        #   share is not full, counting groups in flight and queued (`BatchPlaces.book`;
+        #   batches below the learner's version are forgotten, `forget_before`), and starts
+        #   only while k - engine_version <= max_lag; engines run the latest published
+        #   version v, so at most (v + max_lag + 1) batches start. A group the queue drops as
+        #   stale gives its place back, here at once; the worker learns of it from the
+        #   queue's per-producer drop count (`QueueView`) at its next look at the stats.
+        # - capacity: a finished group is put whole (`RolloutWorker.finish`); a full
         #   queue holds the put (transport/queue_core.py `put`), the client retries it
         #   (queue_client `_PUT_RETRY`), and a worker holding a put starts nothing (`run` is
         #   one loop). So nothing starts while more than `room` finished groups await the
