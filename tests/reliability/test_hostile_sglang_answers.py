@@ -73,8 +73,9 @@ def _mutate(item, draw):
     elif kind == "token" and isinstance(pairs, list) and pairs and isinstance(pairs[0], list):
         i, value = draw(st.integers(0, len(pairs) - 1)), draw(BAD_NUMBERS)
         pairs[i][1] = value
-        if isinstance(item.get("output_ids"), list) and draw(st.booleans()):
-            item["output_ids"][i] = value  # consistent, but still bad
+        ids = item.get("output_ids")
+        if isinstance(ids, list) and i < len(ids) and draw(st.booleans()):
+            ids[i] = value  # consistent, but still bad (an earlier edit may have cut the ids)
     elif kind == "span":
         meta["weight_versions"] = draw(st.lists(st.fixed_dictionaries(
             {"version": st.one_of(BAD_NUMBERS, st.sampled_from(["3", "default", "-4", "x"])),
