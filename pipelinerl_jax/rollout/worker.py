@@ -70,8 +70,6 @@ from pipelinerl_jax.envs import EnvTask, GroupResult, GroupRunner, drop_reason, 
 from pipelinerl_jax.envs.episode import FINISH_REASON
 from pipelinerl_jax.metrics import append_jsonl
 from pipelinerl_jax.rollout.engine import RequestError
-from pipelinerl_jax.transport.versioned_dir import version_dir
-from pipelinerl_jax.transport.weight_sink import weights_dir
 from pipelinerl_jax.types import Completion, GenerationRequest, Rollout, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -243,14 +241,13 @@ class RolloutWorker:
         """Weight-subscriber callback (subscriber thread): stream version `version` holds
         the weights of `policy_version` (the same but under lag injection).
 
-        An empty `params` is a notification that version `version` was written as an HF
-        checkpoint directory (`transport.weight_sink.HFDirSink`); the engine loads it there.
+        `params` is the `{name: array}` dict, or the path (a `str`) of the HF checkpoint
+        directory the version was published as (`transport.weight_sink.HFDirSink`); the
+        engine loads it there.
         """
         if self.workdir:
             append_jsonl(os.path.join(self.workdir, f"weights_received.w{self.index}.jsonl"),
                          [{"time_s": time.time(), "version": int(version)}])
-        if not params:
-            params = version_dir(weights_dir(self.cfg, self.workdir or "."), version)
         if self.cfg.lag_injection.enabled:
             policy_version = version if policy_version is None else int(policy_version)
             if not isinstance(params, str):  # the subscriber reuses its buffers: keep a
