@@ -2,8 +2,8 @@
 
 Scheduling: each `step()` applies a pending weight update, admits queued samples into free
 slots while the KV budget allows (batched prefill), and runs one decode chunk of up to
-`steps_per_sync` steps on device; the engine's `SlotScheduler` (`jax_scheduler.py`) does it. A sample is one of the `n` samples
-of a request; each finishes and is returned on its own.
+`steps_per_sync` steps on device; the engine's `SlotScheduler` (`jax_scheduler.py`) does it.
+A sample is one of the `n` samples of a request; each finishes and is returned on its own.
 
 Provenance (DESIGN.md): a token gets `version` = the version live when the forward pass that
 sampled it ran, and `kv_version` = the oldest version that wrote the KV it attended to; the

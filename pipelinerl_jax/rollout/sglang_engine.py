@@ -19,10 +19,10 @@ across prompts: a group is returned as soon as its own samples finish. The wire 
 (bodies, rids, answer parsing, version spans) is in `sglang_protocol.py`. A pool of threads
 (one per request in flight) sends them, each to the least-loaded healthy server.
 
-Servers (`sglang_servers.py`, the engine's `ServerFleet`): least-loaded routing up to `sglang.concurrency_per_server`
-samples per server, health checks, removal and readmission, and refits: `update_weights(path,
-version)` pauses every server, loads the HF directory (`/update_weights_from_disk`) and
-continues, with the pause mode below.
+Servers (`sglang_servers.py`: the engine's `ServerFleet`, `engine.fleet`): least-loaded
+routing up to `sglang.concurrency_per_server` samples per server, health checks, removal and
+readmission, and refits: `update_weights(path, version)` pauses every server, loads the HF
+directory (`/update_weights_from_disk`) and continues, with the pause mode below.
 
 Provenance. `version[t]` comes from the server: recent SGLang reports per-token spans
 (`meta_info.weight_versions`, labels = our integer versions); older servers report only the

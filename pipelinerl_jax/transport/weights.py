@@ -555,9 +555,9 @@ class WeightSubscriber:
 
     `params` arrays are views of a recycled version buffer: the callback may keep them (a
     buffer is reused only once no view of it is alive). For a version published as a
-    directory (`WeightPublisher.publish_dir`), `params` is that path, a `str`. `expected_shapes` ({name: shape}, e.g.
-    the engine's parameters) bounds what a version may carry: a header with other names or
-    shapes is refused before anything is allocated. `max_version_bytes` (and this machine's
+    directory (`WeightPublisher.publish_dir`), `params` is that path, a `str`.
+    `expected_shapes` ({name: shape}, e.g. the engine's parameters) bounds what a version
+    may carry: a header with other names or shapes is refused before anything is allocated. `max_version_bytes` (and this machine's
     physical memory) bounds it otherwise. `health()` tells whether the thread is alive and
     what went wrong last.
     """
