@@ -183,8 +183,8 @@ def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict) -> dict:
     engine = JaxEngine(ckpt, {"max_slots": max(a.batches), "max_seq_len": max_seq,
                               "dtype": a.dtype, "max_prefill_batch": max(a.batches),
                               "prefill_buckets": (a.prompt,)})
-    wbytes = engine_memory.weight_bytes(cfg, engine._dtype)
-    kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, engine._dtype)
+    wbytes = engine_memory.weight_bytes(cfg, engine.dtype)
+    kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, engine.dtype)
     out = {}
     rng = np.random.default_rng(1)
     for b in a.batches:

@@ -23,7 +23,7 @@ from flax import nnx
 
 from pipelinerl_jax import sharding
 from pipelinerl_jax.learner import multihost
-from pipelinerl_jax.learner.loop import flat_params
+from pipelinerl_jax.models import flat_params
 from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.models import config_100m, config_qwen2_5_0_5b, tiny_config, token_logprobs
 from pipelinerl_jax.transport.weight_sink import StreamSink

@@ -59,7 +59,7 @@ from pipelinerl_jax.learner import batching, multihost, recording, train_step as
 from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
-from pipelinerl_jax.models import from_pretrained
+from pipelinerl_jax.models import flat_params, from_pretrained
 from pipelinerl_jax.run_config import completion_tokens
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
@@ -69,13 +69,6 @@ log = logging.getLogger(__name__)
 
 class TooManySkippedSteps(RuntimeError):
     pass
-
-
-def flat_params(host) -> Dict[str, np.ndarray]:
-    """`{"layers/0/attn/q_proj": ndarray}` of a pure-dict tree of host arrays (the
-    weight-sync payload)."""
-    leaves = jax.tree_util.tree_flatten_with_path(host)[0]
-    return {sharding_lib.path_name(p): np.asarray(v) for p, v in leaves}
 
 
 def uses_proximal(setting, loss_fn) -> bool:

@@ -35,9 +35,9 @@ import jax
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.learner import multihost, recording, train_step as ts
-from pipelinerl_jax.learner.loop import flat_params, make_step
+from pipelinerl_jax.learner.loop import make_step
 from pipelinerl_jax.losses import flatten_metrics
-from pipelinerl_jax.models import from_pretrained
+from pipelinerl_jax.models import flat_params, from_pretrained
 
 log = logging.getLogger(__name__)
 

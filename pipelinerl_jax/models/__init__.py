@@ -8,9 +8,11 @@ __all__ = ["CheckpointError", "ModelConfig", "Decoder", "KVCache", "init_cache",
            "token_logprobs", "token_entropy", "tiny_config", "config_100m",
            "config_qwen2_5_0_5b"]
 from pipelinerl_jax.models.hf_io import (from_pretrained, hf_state_dict, load_config,  # noqa: E402
-                                         save_pretrained)
+                                         save_pretrained, write_hf_dir)
 
-__all__ += ["from_pretrained", "save_pretrained", "hf_state_dict", "load_config"]
-from pipelinerl_jax.models.params import flat_params, state_from_flat  # noqa: E402
+__all__ += ["from_pretrained", "save_pretrained", "hf_state_dict", "load_config", "write_hf_dir"]
+from pipelinerl_jax.models.params import (WeightsMismatch, decoder_from_flat,  # noqa: E402
+                                          flat_params, param_shapes, state_from_flat)
 
-__all__ += ["flat_params", "state_from_flat"]
+__all__ += ["flat_params", "state_from_flat", "param_shapes", "decoder_from_flat",
+            "WeightsMismatch"]

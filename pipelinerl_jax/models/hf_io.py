@@ -25,6 +25,7 @@ from flax import nnx
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models.config import CheckpointError, ModelConfig, dtype_of
 from pipelinerl_jax.models.model import Decoder
+from pipelinerl_jax.models.params import decoder_from_flat
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -295,3 +296,14 @@ def save_pretrained(model: Decoder, path: str, max_shard_bytes: int = 2 * 2**30,
     with open(os.path.join(path, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return path
+
+
+def write_hf_dir(weights: Any, model_config: ModelConfig, path: str) -> str:
+    """Writes `weights` (a flat `{name: array}` dict, an `nnx.State` or a `Decoder`) as the
+    HF checkpoint directory of a `model_config` model at `path`; returns `path`.
+
+    The one HF-directory writer: the weight sink's versions and the SGLang engine's
+    in-memory updates both go through it. Names, shapes and dtypes are checked by
+    `params.state_from_flat`; the model is assembled from host arrays (nothing goes to a
+    device). Atomic publication is the caller's (`transport.versioned_dir`)."""
+    return save_pretrained(decoder_from_flat(weights, model_config), path)

@@ -1,53 +1,125 @@
-"""Flat views of a model's parameters: `{"layers/0/attn/q_proj": array, ...}`.
+"""Flat views of a model's parameters, `{"layers/0/attn/q_proj": array, ...}`, both ways.
 
-This is the weight-sync payload between the learner and embedded engines (names are the
-NNX state paths, values host NumPy arrays in the parameter dtype), and what checkpoints
-and tests compare. `hf_io.hf_state_dict` gives the Hugging Face-named view instead.
+This is the weight-sync payload between the learner and the engines (names are the NNX
+state paths, values host NumPy arrays in the parameter dtype), and what checkpoints and
+tests compare. `hf_io.hf_state_dict` gives the Hugging Face-named view instead.
+
+One function per direction, used by every caller (the learner's publication, the JaxEngine's
+weight install, the HF-directory writers of the weight sink and the SGLang engine):
+
+    flat_params(model | nnx.State | pure-dict tree)  -> {name: array}
+    state_from_flat(like_state, flat, shardings=...)  -> nnx.State, every name/shape/dtype
+                                                         checked (`WeightsMismatch`)
+    decoder_from_flat(weights, model_config)           -> a Decoder on host arrays
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipelinerl_jax.models.model import Decoder
 from pipelinerl_jax.sharding import path_name
+
+
+class WeightsMismatch(KeyError, ValueError):
+    """Flat weights that do not fit the model: a missing or unknown name, a wrong shape, or
+    a dtype of another kind (integers for floating-point parameters). A `ValueError` (and,
+    for callers that catch lookups, a `KeyError`) whose message names the parameter."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
 
 
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def flat_params(model_or_state, host: bool = True) -> Dict[str, object]:
-    """`{path: array}` of every parameter; host NumPy copies unless `host=False`."""
-    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(
-        model_or_state, nnx.Param)
-    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)[0]
-    out = {path_name(p): v.get_value() for p, v in leaves}
+def flat_params(tree, host: bool = True) -> Dict[str, object]:
+    """`{path: array}` of every parameter of a model, an `nnx.State`, or a pure-dict tree of
+    arrays (the learner's `state.params`); host NumPy arrays unless `host=False`."""
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree, nnx.Param)
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)[0]
+    out = {path_name(p): (v.get_value() if _is_var(v) else v) for p, v in leaves}
     if host:
         out = {k: np.asarray(a) for k, a in jax.device_get(out).items()}
     return out
 
 
-def state_from_flat(like_state: nnx.State, flat: Mapping[str, object]) -> nnx.State:
-    """A state shaped like `like_state`, holding `flat`'s arrays placed with its shardings.
+def param_shapes(like_state) -> Dict[str, tuple]:
+    """`{name: shape}` of a state (abstract or not): what `state_from_flat` accepts."""
+    leaves = jax.tree_util.tree_flatten_with_path(like_state, is_leaf=_is_var)[0]
+    return {path_name(p): tuple(v.get_value().shape) for p, v in leaves}
 
-    Every name must be present with the same shape; dtypes are cast to the existing ones.
-    """
-    def one(p, var):
-        name = path_name(p)
-        if name not in flat:
-            raise KeyError(f"weights are missing parameter {name!r}")
-        cur = var.get_value()
-        new = flat[name]
-        if tuple(new.shape) != tuple(cur.shape):
-            raise ValueError(f"parameter {name!r}: shape {tuple(new.shape)} != {tuple(cur.shape)}")
-        arr = np.asarray(new) if not isinstance(new, jax.Array) else new
-        return var.replace(jax.device_put(arr.astype(cur.dtype), cur.sharding))
 
-    extra = set(flat) - {path_name(p) for p, _ in
-                         jax.tree_util.tree_flatten_with_path(like_state, is_leaf=_is_var)[0]}
-    if extra:
-        raise KeyError(f"weights have unknown parameters {sorted(extra)[:5]}")
-    return jax.tree_util.tree_map_with_path(one, like_state, is_leaf=_is_var)
+def state_from_flat(like_state: nnx.State, flat: Mapping[str, object],
+                    shardings: Optional[nnx.State] = None) -> nnx.State:
+    """A state shaped like `like_state` (abstract, e.g. from `nnx.eval_shape`, or holding
+    arrays) holding `flat`'s values, cast to `like_state`'s dtypes.
+
+    `flat` must hold exactly `like_state`'s names, with the same shapes and a dtype of the
+    same kind (floating / integer / bool), else `WeightsMismatch` naming the first offender.
+    Placement: onto `shardings` (a tree like `like_state` whose Variables hold shardings)
+    when given; else where `like_state`'s arrays are; else (an abstract `like_state`) host
+    NumPy arrays, nothing on a device. The result never aliases `flat`'s buffers (a learner
+    may donate them right after handing them over)."""
+    if not isinstance(flat, Mapping):
+        raise TypeError(f"weights must be a flat {{name: array}} mapping, got "
+                        f"{type(flat).__name__}")
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like_state, is_leaf=_is_var)
+    names = [path_name(p) for p, _ in leaves]
+    missing = [n for n in names if n not in flat]
+    extra = sorted(set(flat) - set(names))
+    if missing or extra:
+        raise WeightsMismatch(f"weights do not match the model: missing {missing[:5]}, "
+                              f"unknown {extra[:5]}")
+    places = [None] * len(leaves) if shardings is None else [
+        v.get_value() for v in jax.tree_util.tree_leaves(shardings, is_leaf=_is_var)]
+    values = []
+    for name, (_, var), place in zip(names, leaves, places):
+        like = var.get_value()
+        value = flat[name]
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            value = np.asarray(value)
+        if tuple(value.shape) != tuple(like.shape):
+            raise WeightsMismatch(f"weights: parameter {name!r} has shape "
+                                  f"{tuple(value.shape)}, the model needs {tuple(like.shape)}")
+        if _kind(value.dtype) != _kind(like.dtype):
+            raise WeightsMismatch(f"weights: parameter {name!r} has dtype {value.dtype}, the "
+                                  f"model holds {like.dtype}")
+        if place is None and isinstance(like, jax.Array):
+            place = like.sharding
+        if place is None:
+            arr = np.array(value, dtype=like.dtype)  # a host copy
+        elif isinstance(value, jax.Array):
+            arr = jax.device_put(jnp.array(value, dtype=like.dtype, copy=True), place)
+        else:
+            arr = jax.device_put(np.asarray(value).astype(like.dtype), place)
+        values.append(var.replace(arr))
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _kind(dtype) -> str:
+    dtype = jnp.dtype(dtype)
+    for kind in (jnp.floating, jnp.complexfloating, jnp.integer, jnp.bool_):
+        if jnp.issubdtype(dtype, kind):
+            return kind.__name__
+    return dtype.name
+
+
+def decoder_from_flat(weights: Any, model_config):
+    """A `Decoder` of `model_config` holding `weights` (a flat dict, an `nnx.State` or a
+    `Decoder`, returned as is) on host arrays, checked by `state_from_flat`."""
+    if isinstance(weights, Decoder):
+        return weights
+    if isinstance(weights, nnx.State):
+        weights = flat_params(weights)
+    if not isinstance(weights, Mapping):
+        raise TypeError("weights must be a flat {name: array} dict, an nnx.State or a "
+                        f"Decoder, got {type(weights).__name__}")
+    graphdef, like = nnx.split(nnx.eval_shape(lambda: Decoder(model_config, nnx.Rngs(0))))
+    return nnx.merge(graphdef, state_from_flat(like, weights))

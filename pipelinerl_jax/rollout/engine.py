@@ -13,13 +13,16 @@ as soon as it finishes, independently of the other samples of the request. Nothi
 assumes a transport: an HTTP engine implements the same methods over its client.
 
 Request validation (`validate_request`) is shared so that every engine rejects the same
-inputs with the same messages, each naming the offending field.
+inputs with the same messages, each naming the offending field; so are the blocking
+`generate` (written once, here, over `submit_batch` + `get_completions`) and the assembly of
+a `Completion` from the chunks a sample was generated in (`completion_from_chunks`).
 """
 from __future__ import annotations
 
 import abc
 import math
-from typing import Any, Dict, List, Optional, Sequence
+import time
+from typing import AbstractSet, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -102,6 +105,23 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: i
     return prompt.astype(np.int32)
 
 
+def completion_from_chunks(request: GenerationRequest, sample_index: int, prompt: np.ndarray,
+                           tokens: Sequence, logps: Sequence, versions: Sequence,
+                           kv_versions: Sequence, *, finish_reason: str, start_version: int,
+                           engine_id: str, submit_time: float, start_time: float) -> Completion:
+    """The `Completion` of a sample generated in chunks (per-chunk arrays of tokens,
+    log-probs, versions and KV versions, concatenated here; none for a sample that produced
+    nothing), finished now."""
+    def cat(xs, dt):
+        return np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
+    return Completion(
+        request_id=request.request_id, sample_index=sample_index, prompt_ids=prompt,
+        token_ids=cat(tokens, np.int32), logp_behaviour=cat(logps, np.float32),
+        version=cat(versions, np.int32), kv_version=cat(kv_versions, np.int32),
+        finish_reason=finish_reason, start_version=int(start_version), engine_id=engine_id,
+        submit_time=submit_time, start_time=start_time, finish_time=time.time())
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) \
         and math.isfinite(x)
@@ -131,16 +151,54 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def get_completions(self, timeout: Optional[float] = 0.0,
-                        max_items: Optional[int] = None) -> List[Completion]:
+                        max_items: Optional[int] = None, *,
+                        request_ids: Optional[AbstractSet[str]] = None) -> List[Completion]:
         """Finished samples in finishing order. Waits up to `timeout` seconds (None = until
-        at least one is ready) and returns [] when none finished in time."""
+        at least one is ready) and returns [] when none finished in time, or once the engine
+        has stopped. A request the engine failed raises `RequestError` (with its
+        `request_id`). With `request_ids`, only those requests' samples and failures: the
+        others stay queued for the next caller."""
 
-    @abc.abstractmethod
     def generate(self, requests: Sequence[GenerationRequest],
                  timeout: Optional[float] = None) -> List[Completion]:
-        """Submits `requests` and blocks until all their samples finished; returns them in
-        request order, then sample order. Other requests' completions stay queued for
-        `get_completions`."""
+        """Submits `requests` (all or nothing, one arrival: `submit_batch`) and blocks until
+        all their samples finished; returns them in request order, then sample order. Other
+        requests' completions stay queued for `get_completions`. Raises `RequestError` when
+        the engine fails one of the requests, `TimeoutError` after `timeout` seconds, and
+        `EngineClosedError` when the engine stops first."""
+        requests = list(requests)
+        self.submit_batch(requests)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        total = sum(int(r.params.n) for r in requests)
+        got: Dict[tuple, Completion] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = 0.0
+        while True:
+            for c in self.get_completions(wait, request_ids=order.keys()):
+                got[(c.request_id, c.sample_index)] = c
+            if len(got) >= total:
+                break
+            stopped = self._stopped()
+            if stopped is not None:
+                raise EngineClosedError(f"engine stopped during generate: {stopped}")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"generate: {total - len(got)} samples unfinished after "
+                                   f"{timeout}s")
+            # An engine without a serving loop is driven from here, one step at a time.
+            wait = 0.0 if self._drive() else (1.0 if left is None else min(left, 1.0))
+        return sorted(got.values(), key=lambda c: (order[c.request_id], c.sample_index))
+
+    def _drive(self) -> bool:
+        """`generate`'s hook for engines that serve only when driven: runs one scheduling
+        step and returns True; False (the default) when a loop or a server does the work."""
+        return False
+
+    def _stopped(self) -> Optional[str]:
+        """`generate`'s hook: why the engine can no longer finish requests (closed, its loop
+        died), or None while it can. Default: from `health()`."""
+        h = self.health()
+        return ("closed" if h.get("closed") else None)
 
     @abc.abstractmethod
     def update_weights(self, weights: Any, version: int, *, wait: bool = True,

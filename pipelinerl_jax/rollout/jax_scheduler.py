@@ -18,21 +18,29 @@ One step (a background thread calls it in a loop, or a test calls it):
      (their slots are refilled by the next step's batched prefill).
 A sample is one of the `n` samples of a request; each finishes and is returned on its own.
 
-`SlotScheduler` is a mixin of `JaxEngine` and works on the state `JaxEngine.__init__` sets up:
-device state (`_params`, `_cache`, `_slots_dev`, compiled `_fns`), host state guarded by `_cv`
-(`_queue`, `_slots`, `_reserved`, `_live`, `_outbox`, `_version`, `_pending`, counters).
-Device work is serialised by `_step_mutex`, which every caller here holds.
+`JaxEngine` owns one `SlotScheduler` and talks to it through its public methods only. The
+scheduler owns everything a step touches: the device state (parameters, KV cache, slot
+state, the compiled programs), the host state guarded by its condition variable (queue,
+slots, KV reservations, live requests, outbox, versions and the pending update, the paused /
+closed / failed flags, counters), and the step mutex that serialises device work. The engine
+keeps what comes before and after: request validation, turning weights into a parameter
+state, the loop thread, and the public API.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 import time
-from typing import Sequence
+from typing import AbstractSet, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
+                                           completion_from_chunks)
+from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
 from pipelinerl_jax.rollout.sampling import RowParams
 from pipelinerl_jax.types import Completion, GenerationRequest
 
@@ -69,8 +77,189 @@ class Sample:
         return np.concatenate([self.prompt, *self.tokens]).astype(np.int32)
 
 
+
 class SlotScheduler:
-    """Step, admission, prefill and decode of `JaxEngine` (module docstring)."""
+    """Step, admission, prefill and decode of `JaxEngine`, and the state they work on
+    (module docstring). Every public method is thread-safe.
+
+    `fns`: the compiled programs (`engine_steps.step_fns`); `params`, `cache`, `slots_dev`:
+    the initial device state; `shape`: `num_slots`, `max_seq_len`, `kv_budget`, the three
+    bucket tuples, `steps` (decode steps per chunk), `refill` (refill threshold),
+    `max_stops`, `kv_policy`, `seed` (of unseeded requests' seeds).
+    """
+
+    def __init__(self, fns, params, cache, slots_dev, *, num_slots: int, max_seq_len: int,
+                 kv_budget: int, prefill_buckets: tuple, cache_buckets: tuple,
+                 batch_buckets: tuple, steps: int, refill: int, max_stops: int,
+                 kv_policy: str, seed: int, version: int, engine_id: str):
+        self.num_slots, self.max_seq_len, self.kv_budget = num_slots, max_seq_len, kv_budget
+        self.prefill_buckets, self.cache_buckets = prefill_buckets, cache_buckets
+        self.batch_buckets = batch_buckets
+        self.engine_id = engine_id
+        self._steps, self._refill, self._max_stops = steps, refill, max_stops
+        self._kv_policy, self._seed = kv_policy, seed
+        # device state (touched only under _step_mutex)
+        self._fns, self._params, self._cache, self._slots_dev = fns, params, cache, slots_dev
+        # host state (guarded by _cv; device work is serialised by _step_mutex)
+        self._cv = threading.Condition(threading.Lock())
+        self._step_mutex = threading.Lock()
+        self._queue: collections.deque = collections.deque()
+        self._slots: List[Optional[Sample]] = [None] * num_slots
+        self._outbox: collections.deque = collections.deque()
+        self._live: Dict[str, int] = {}  # request id -> samples not yet returned
+        self._version = int(version)
+        self._newest_version = int(version)  # newest version accepted (live or pending)
+        self._pending = None  # (params, version) waiting for the next step boundary
+        self._reserved = 0
+        self._paused = self._closed = False
+        self._error: Optional[str] = None
+        self._seed_counter = 0
+        self._stats = StatsWindow()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def version(self) -> int:
+        """The version the next forward pass uses."""
+        return self._version
+
+    @property
+    def params(self):
+        """The live parameter state (what the next forward pass uses)."""
+        return self._params
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stopped(self) -> Optional[str]:
+        """Why no more work will be done (the loop's error, or 'closed'); None if it will."""
+        with self._cv:
+            return self._error or ("closed" if self._closed else None)
+
+    def status(self) -> dict:
+        """`{version, paused, closed, error}`, read together."""
+        with self._cv:
+            return {"version": self._version, "paused": self._paused,
+                    "closed": self._closed, "error": self._error}
+
+    # ------------------------------------------------------------------ requests
+
+    def enqueue(self, checked: Sequence[tuple]) -> None:
+        """Queues validated `(request, prompt, limit)` entries as one arrival (all or
+        nothing); draws the seeds of requests that give none, in order."""
+        now = time.time()
+        with self._cv:
+            if self._closed or self._error:
+                raise EngineClosedError(f"engine {self.engine_id} is closed "
+                                        f"({self._error or 'close() was called'})")
+            for request, _, _ in checked:
+                if request.request_id in self._live:
+                    raise RequestError(f"request {request.request_id!r}: request_id is "
+                                       "already in flight on this engine")
+            for request, prompt, limit in checked:
+                p = request.params
+                if p.seed is None:
+                    seed = int(np.random.default_rng([self._seed, self._seed_counter])
+                               .integers(2**32))
+                    self._seed_counter += 1
+                else:
+                    seed = int(p.seed) % 2**32
+                for i in range(int(p.n)):
+                    self._queue.append(Sample(request, i, prompt, seed, limit, now))
+                self._live[request.request_id] = int(p.n)
+            self._cv.notify_all()
+
+    def take(self, timeout: Optional[float] = 0.0, max_items: Optional[int] = None,
+             request_ids: Optional[AbstractSet[str]] = None) -> List[Completion]:
+        """Finished samples (of `request_ids` only, when given), waiting up to `timeout`
+        (None: until one is ready) unless the scheduler stopped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def ready():
+            if request_ids is None:
+                return list(self._outbox)
+            return [c for c in self._outbox if c.request_id in request_ids]
+
+        with self._cv:
+            while not (mine := ready()):
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or self._closed or self._error:
+                    break
+                self._cv.wait(left)
+            mine = mine if max_items is None else mine[:max_items]
+            if request_ids is None:
+                for _ in mine:
+                    self._outbox.popleft()
+            else:
+                for c in mine:
+                    self._outbox.remove(c)
+            return mine
+
+    def abort(self, request_id: str) -> int:
+        """Ends a request's queued and running samples with 'abort'; returns how many."""
+        with self._step_mutex:
+            with self._cv:
+                queued = [s for s in self._queue if s.request.request_id == request_id]
+                for s in queued:
+                    self._queue.remove(s)
+            running = [i for i, s in enumerate(self._slots)
+                       if s is not None and s.request.request_id == request_id]
+            if running:
+                free = np.zeros((self.num_slots,), bool)
+                free[running] = True
+                self._slots_dev = self._fns.release(self._slots_dev, free)
+            for s in queued + [self._slots[i] for i in running]:
+                self._finish(s, "abort")
+            return len(queued) + len(running)
+
+    # ------------------------------------------------------------------ weights
+
+    def check_newer(self, version: int, allow_older: bool = False) -> None:
+        """Raises unless `version` may be installed (the scheduler is open and, unless
+        `allow_older`, `version` exceeds every version accepted so far)."""
+        with self._cv:
+            self._check_newer(version, allow_older)
+
+    def _check_newer(self, version: int, allow_older: bool) -> None:  # holds _cv
+        if self._closed:
+            raise EngineClosedError(f"engine {self.engine_id} is closed")
+        if not allow_older and version <= self._newest_version:
+            raise ValueError(
+                f"update_weights: version {version} is not newer than the engine's version "
+                f"{self._newest_version} (live {self._version}); versions must strictly "
+                "increase, a stale or duplicate update is never applied")
+
+    def stage_update(self, params, version: int, allow_older: bool = False) -> None:
+        """Makes `params` the pending update, applied at the next step boundary (a pending
+        one not yet applied is replaced)."""
+        with self._cv:
+            self._check_newer(version, allow_older)
+            self._pending = (params, version)
+            self._newest_version = version
+            self._cv.notify_all()
+
+    def apply_update_now(self) -> None:
+        """Applies the pending update without waiting for a step (engines without a loop)."""
+        with self._step_mutex:
+            self._apply_pending_update()
+
+    def wait_live(self, version: int, allow_older: bool, timeout: Optional[float]) -> None:
+        """Blocks until `version` is live; `TimeoutError` / `EngineClosedError` otherwise."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            def live():  # (an older version on purpose is live when it is *the* version)
+                return self._version == version if allow_older else self._version >= version
+
+            while not live() and self._error is None and not self._closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"update_weights: version {version} not live after "
+                                       f"{timeout}s (engine at {self._version})")
+                self._cv.wait(left)
+            if not live():
+                raise EngineClosedError(f"engine stopped before version {version} went "
+                                        f"live: {self._error or 'closed'}")
 
     def _apply_pending_update(self) -> None:
         with self._cv:
@@ -80,8 +269,8 @@ class SlotScheduler:
         self._params, version = pending
         with self._cv:
             self._version = version
-            self._counters["updates_applied"] += 1
-        if self.config.kv_policy == "recompute":
+            self._stats.add(updates_applied=1)
+        if self._kv_policy == "recompute":
             running = [s for s in self._slots if s is not None]
             for s in running:
                 s.kv_version = version
@@ -89,7 +278,18 @@ class SlotScheduler:
         with self._cv:
             self._cv.notify_all()
 
-    def _step(self) -> int:
+    # ------------------------------------------------------------------ the loop
+
+    def wait_for_work(self) -> bool:
+        """Blocks until a step has something to do; False once closed (the loop ends)."""
+        with self._cv:
+            while not self._closed and self._pending is None and (
+                    self._paused or not (self._queue or any(self._slots))):
+                self._cv.wait()
+            return not self._closed
+
+    def step(self) -> int:
+        """One scheduling iteration; returns the number of tokens sampled."""
         with self._step_mutex:
             t0 = time.perf_counter()
             self._apply_pending_update()
@@ -97,10 +297,41 @@ class SlotScheduler:
             if not self._paused:
                 produced = self._admit() + self._decode()
             with self._cv:
-                for c in (self._counters, self._window):
-                    c["busy_s"] += time.perf_counter() - t0
-                    c["tokens"] += produced
+                self._stats.add(busy_s=time.perf_counter() - t0, tokens=produced)
             return produced
+
+    def pause(self) -> None:
+        """Stops stepping; returns once the step in progress (if any) has ended."""
+        with self._cv:
+            self._paused = True
+        with self._step_mutex:
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def close(self) -> bool:
+        """Marks the scheduler closed and wakes every waiter; False if it already was."""
+        with self._cv:
+            if self._closed:
+                return False
+            self._closed = True
+            self._cv.notify_all()
+            return True
+
+    def fail(self, error: str) -> None:
+        """The loop died: records why, wakes every waiter, returns every sample as 'abort'."""
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+        self._abort_all()
+
+    def abort_all(self) -> None:
+        """Returns every queued and running sample with finish reason 'abort'."""
+        with self._step_mutex:
+            self._abort_all()
 
     def _admit(self) -> int:
         produced = 0
@@ -136,7 +367,7 @@ class SlotScheduler:
             for j, (s, slot, seq) in enumerate(group):
                 ids[j, :len(seq)] = seq
                 lengths[j], slot_idx[j] = len(seq), slot
-                self._fill_row(rows, j, s)
+                _fill_row(rows, j, s)
             self._cache, self._slots_dev, out = self._fns.prefill(
                 self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
                 RowParams(**rows))
@@ -144,8 +375,9 @@ class SlotScheduler:
             for j, (s, slot, _) in enumerate(group):
                 self._record(s, token[j:j + 1], logp[j:j + 1])
                 if done[j]:
-                    self._finish(s, self._reason(s))
-            self._counters["prefill_calls"] += 1
+                    self._finish(s, _reason(s))
+            with self._cv:
+                self._stats.totals["prefill_calls"] += 1
         return len(entries)
 
     def _row_params(self, b: int) -> dict:
@@ -153,16 +385,6 @@ class SlotScheduler:
                     temperature=np.ones((b,), np.float32), top_p=np.ones((b,), np.float32),
                     top_k=np.zeros((b,), np.int32), limit=np.full((b,), 2, np.int32),
                     stop_ids=np.full((b, self._max_stops), -1, np.int32))
-
-    @staticmethod
-    def _fill_row(rows: dict, j: int, s: Sample) -> None:
-        p = s.request.params
-        rows["seed"][j], rows["sample_index"][j] = s.seed, s.index
-        rows["temperature"][j], rows["top_p"][j], rows["top_k"][j] = \
-            p.temperature, p.top_p, p.top_k
-        rows["limit"][j] = s.limit
-        stops = sorted(set(int(x) for x in p.stop_token_ids or ()))
-        rows["stop_ids"][j, :len(stops)] = stops
 
     def _decode(self) -> int:
         running = [i for i, s in enumerate(self._slots) if s is not None]
@@ -184,15 +406,12 @@ class SlotScheduler:
             self._record(s, tokens[:k, i], logps[:k, i])
             produced += k
             if not active[i]:
-                self._finish(s, self._reason(s))
+                self._finish(s, _reason(s))
         with self._cv:
             occupied = int(emitted[:n].sum())
-            for c in (self._counters, self._window):
-                c["decode_steps"] += int(n)
-                c["slot_steps"] += occupied
-                if queued:
-                    c["queued_steps"] += int(n)
-                    c["queued_slot_steps"] += occupied
+            self._stats.add(decode_steps=int(n), slot_steps=occupied)
+            if queued:
+                self._stats.add(queued_steps=int(n), queued_slot_steps=occupied)
         return produced
 
     def _record(self, s: Sample, tokens, logps) -> None:
@@ -203,22 +422,14 @@ class SlotScheduler:
         s.kv_versions.append(np.full((k,), s.kv_version, np.int32))
         s.n_generated += k
 
-    def _reason(self, s: Sample) -> str:
-        last = int(s.tokens[-1][-1])
-        return "stop" if last in set(s.request.params.stop_token_ids or ()) else "length"
-
     def _finish(self, s: Sample, reason: str) -> None:
         """Returns a sample (finished or aborted) and frees its slot and KV reservation."""
         if s.start_version < 0:  # aborted before admission
             s.start_version = s.kv_version = self._version
-        def cat(xs, dt):
-            return np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
-        completion = Completion(
-            request_id=s.request.request_id, sample_index=s.index, prompt_ids=s.prompt,
-            token_ids=cat(s.tokens, np.int32), logp_behaviour=cat(s.logps, np.float32),
-            version=cat(s.versions, np.int32), kv_version=cat(s.kv_versions, np.int32),
+        completion = completion_from_chunks(
+            s.request, s.index, s.prompt, s.tokens, s.logps, s.versions, s.kv_versions,
             finish_reason=reason, start_version=s.start_version, engine_id=self.engine_id,
-            submit_time=s.submit_time, start_time=s.start_time, finish_time=time.time())
+            submit_time=s.submit_time, start_time=s.start_time)
         with self._cv:
             if s in self._slots:
                 self._slots[self._slots.index(s)] = None
@@ -228,7 +439,7 @@ class SlotScheduler:
             if not self._live[rid]:
                 del self._live[rid]
             self._outbox.append(completion)
-            self._counters["completed_samples"] += 1
+            self._stats.totals["completed_samples"] += 1
             self._cv.notify_all()
 
     def _abort_all(self) -> None:
@@ -244,6 +455,41 @@ class SlotScheduler:
                                                     np.ones((self.num_slots,), bool))
             except Exception:  # noqa: BLE001 - the device may be what failed
                 pass
+
+    # ------------------------------------------------------------------ reports
+
+    def stats(self) -> dict:
+        """The engine's load figures (`JaxEngine.stats`)."""
+        now = time.perf_counter()
+        with self._cv:
+            w, span = self._stats.roll(now)
+            c = self._stats.totals
+            running = [s for s in self._slots if s is not None]
+            return {
+                "engine_id": self.engine_id,
+                "version": self._version,
+                "num_slots": self.num_slots,
+                "active_slots": len(running),
+                "queued_samples": len(self._queue),
+                "queued_requests": len({s.request.request_id for s in self._queue}),
+                "kv_tokens_in_use": sum(s.pos + 1 for s in running),
+                "kv_tokens_reserved": self._reserved,
+                "kv_budget_tokens": self.kv_budget,
+                # averages over the window since the previous stats() call
+                **window_rates(w, span),
+                "slot_occupancy": w["slot_steps"] / max(w["decode_steps"] * self.num_slots, 1),
+                "occupancy_while_queued": (w["queued_slot_steps"]
+                                           / max(w["queued_steps"] * self.num_slots, 1)),
+                "window_decode_steps": w["decode_steps"],
+                # totals since the engine started
+                "decode_steps": c["decode_steps"],
+                "generated_tokens": c["tokens"],
+                "completed_samples": c["completed_samples"],
+                "prefill_calls": c["prefill_calls"],
+                "updates_applied": c["updates_applied"],
+                "compiled_programs": sum(f._cache_size() for f in (
+                    self._fns.prefill, self._fns.decode, self._fns.release)),
+            }
 
     def warmup(self) -> int:
         """Compiles every (prefill batch, prompt length) and cache-length program up front,
@@ -268,3 +514,18 @@ class SlotScheduler:
                 jax.block_until_ready(out)
                 n += 1
         return n
+
+
+def _fill_row(rows: dict, j: int, s: Sample) -> None:
+    p = s.request.params
+    rows["seed"][j], rows["sample_index"][j] = s.seed, s.index
+    rows["temperature"][j], rows["top_p"][j], rows["top_k"][j] = \
+        p.temperature, p.top_p, p.top_k
+    rows["limit"][j] = s.limit
+    stops = sorted(set(int(x) for x in p.stop_token_ids or ()))
+    rows["stop_ids"][j, :len(stops)] = stops
+
+
+def _reason(s: Sample) -> str:
+    last = int(s.tokens[-1][-1])
+    return "stop" if last in set(s.request.params.stop_token_ids or ()) else "length"

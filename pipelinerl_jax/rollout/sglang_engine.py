@@ -19,10 +19,10 @@ across prompts: a group is returned as soon as its own samples finish. The wire 
 (bodies, rids, answer parsing, version spans) is in `sglang_protocol.py`. A pool of threads
 (one per request in flight) sends them, each to the least-loaded healthy server.
 
-Servers (`sglang_servers.py`): least-loaded routing up to `sglang.concurrency_per_server`
-samples per server, health checks, removal and readmission, and refits: `update_weights(path,
-version)` pauses every server, loads the HF directory (`/update_weights_from_disk`) and
-continues, with the pause mode below.
+Servers (`sglang_servers.py`: the engine's `ServerFleet`, `engine.fleet`): least-loaded
+routing up to `sglang.concurrency_per_server` samples per server, health checks, removal and
+readmission, and refits: `update_weights(path, version)` pauses every server, loads the HF
+directory (`/update_weights_from_disk`) and continues, with the pause mode below.
 
 Provenance. `version[t]` comes from the server: recent SGLang reports per-token spans
 (`meta_info.weight_versions`, labels = our integer versions); older servers report only the
@@ -56,31 +56,34 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from pipelinerl_jax.models import write_hf_dir
 from pipelinerl_jax.models.factory import resolve_model_config
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
-                                           validate_request)
+                                           completion_from_chunks, validate_request)
+from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
 from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
                                                   require_endpoints)
 from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
 from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
-                                                    answer_items, generate_body, parse_output,
-                                                    version_of)
+                                                    answer_items, generate_body, parse_output)
 from pipelinerl_jax.rollout.sglang_servers import Server, ServerFleet
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport.security import RetryPolicy
 from pipelinerl_jax.transport import weight_sink
+from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
 from pipelinerl_jax.types import Completion, GenerationRequest
 
 log = logging.getLogger(__name__)
 
 
-class SGLangEngine(ServerFleet, InferenceEngine):
+class SGLangEngine(InferenceEngine):
     """Samples from SGLang servers (module docstring). Thread-safe.
 
     `urls`: the servers. `vocab_size` / `max_seq_len`: the model's, for request validation
@@ -90,6 +93,9 @@ class SGLangEngine(ServerFleet, InferenceEngine):
     writes weights given as arrays (a path is used as is). `wait_ready=False` skips the
     startup wait for /health (every server is routed to at once). `require_refit`: fail now
     (`MissingEndpointError`, naming server and endpoint) if a server cannot be refit.
+
+    The engine owns the requests (queue, samples, answers, resubmits); its `ServerFleet`
+    (`self.fleet`) owns the servers (routing, health, pause, refits and the live version).
     """
 
     def __init__(self, urls: Sequence[str], config: Optional[Mapping] = None, *,
@@ -107,67 +113,41 @@ class SGLangEngine(ServerFleet, InferenceEngine):
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
         self.weights_dir, self.model_config = weights_dir, model_config
         retry = RetryPolicy(cfg.backoff_initial_s, cfg.backoff_max_s)
-        self._servers = [Server(ServerClient(u, connect_timeout_s=cfg.connect_timeout_s,
-                                             max_retries=cfg.max_retries, retry=retry,
-                                             api_key=cfg.api_key),
-                                cfg.concurrency_per_server) for u in cfg.urls]
-        self.num_slots = cfg.concurrency_per_server * len(self._servers)
+        servers = [Server(ServerClient(u, connect_timeout_s=cfg.connect_timeout_s,
+                                       max_retries=cfg.max_retries, retry=retry,
+                                       api_key=cfg.api_key),
+                          cfg.concurrency_per_server) for u in cfg.urls]
+        self.num_slots = cfg.concurrency_per_server * len(servers)
 
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
+        self._cv = threading.Condition(threading.Lock())
         self._stop = threading.Event()
+        self.fleet = ServerFleet(servers, cfg, self._cv, self._stop, engine_id)
         self._pending: collections.deque = collections.deque()  # jobs not yet sent
         self._outbox: collections.deque = collections.deque()
         self._failures: Dict[str, str] = {}  # request id -> message (4xx, protocol)
         self._live: Dict[str, List[Sample]] = {}  # request id -> its unfinished samples
         self._seed_rng = np.random.default_rng()  # unseeded n>1 copies (submit)
         self._aborted: set = set()
-        self._paused = self._closed = False
+        self._closed = False
         self._job_seq = 0
-        self._counters: collections.Counter = collections.Counter()
-        self._window: collections.Counter = collections.Counter()
-        self._window_start = self._last_change = time.perf_counter()
-        self._in_flight = 0
-        # weights: newest accepted, live, and the refit in progress / pending
-        self._version = -1
-        self._newest = -1
-        self._path: Optional[str] = None  # directory of the live version
-        self._refit_target = None  # (seq, path, version)
-        # The newest version requested while no server was up: servers that come back are
-        # refit to it (not to the older live one), so the engine cannot stay behind forever.
-        self._deferred: Optional[Tuple[str, int]] = None
-        self._refit_seq = self._refit_done = 0
-        self._refit_error: Dict[int, str] = {}
+        self._stats = StatsWindow()
 
-        if wait_ready:
-            self._wait_ready(cfg.health_deadline_s)
-        else:
-            for s in self._servers:
-                s.up, s.reason = True, None
+        self.fleet.bring_up(wait_ready)
         if require_refit:  # probed once, at start-up: never a failed refit mid-run
-            require_endpoints([s.client for s in self._servers if s.up])
-        for s in self._servers:
-            if s.up:  # a server without a label (sglang-jax) holds `version`
-                label = self._model_info(s)
-                s.version = version_of(label) if label is not None or version is None \
-                    else int(version)
-        if version is None:
-            version = min((s.version for s in self._servers if s.up), default=-1)
-        self._version = self._newest = int(version)
+            require_endpoints([s.client for s in servers if s.up])
+        self.fleet.read_versions(version)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.num_slots + len(self._servers), thread_name_prefix=f"{engine_id}-http")
-        self._threads = [threading.Thread(target=f, daemon=True, name=f"{engine_id}-{n}")
-                         for n, f in (("dispatch", self._dispatch_loop),
-                                      ("refit", self._refit_loop),
-                                      ("monitor", self._monitor_loop))]
-        for t in self._threads:
-            t.start()
+            max_workers=self.num_slots + len(servers), thread_name_prefix=f"{engine_id}-http")
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True,
+                                            name=f"{engine_id}-dispatch")
+        self._dispatcher.start()
+        self.fleet.start_threads()
 
     # ------------------------------------------------------------------ requests
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.fleet.version
 
     def submit(self, request: GenerationRequest) -> None:
         prompt = validate_request(request, self.vocab_size, self.max_seq_len)
@@ -191,6 +171,9 @@ class SGLangEngine(ServerFleet, InferenceEngine):
             self._live[request.request_id] = list(samples)
             self._enqueue(Job(samples, self._name(request.request_id)))
 
+    def _stopped(self) -> Optional[str]:
+        return "closed" if self._closed else None
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError(f"engine {self.engine_id} is closed")
@@ -203,53 +186,46 @@ class SGLangEngine(ServerFleet, InferenceEngine):
         self._pending.append(job)
         self._cv.notify_all()
 
+    def submit_batch(self, requests: Sequence[GenerationRequest]) -> None:
+        """Submits `requests` one by one after checking them all (all or nothing)."""
+        requests = list(requests)
+        for r in requests:
+            validate_request(r, self.vocab_size, self.max_seq_len)
+        for r in requests:
+            self.submit(r)
+
     def get_completions(self, timeout: Optional[float] = 0.0,
-                        max_items: Optional[int] = None) -> List[Completion]:
+                        max_items: Optional[int] = None, *,
+                        request_ids: Optional[AbstractSet[str]] = None) -> List[Completion]:
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def failed():
+            return sorted(self._failures if request_ids is None
+                          else set(self._failures) & set(request_ids))
+
+        def ready():
+            if request_ids is None:
+                return list(self._outbox)
+            return [c for c in self._outbox if c.request_id in request_ids]
+
         with self._cv:
-            while not self._outbox and not self._failures:
+            while not (mine := ready()) and not failed():
                 left = None if deadline is None else deadline - time.monotonic()
                 if (left is not None and left <= 0) or self._closed:
                     break
                 self._cv.wait(left)
-            if self._failures:
-                rid, msg = next(iter(self._failures.items()))
-                del self._failures[rid]
-                raise RequestError(msg, request_id=rid)
-            n = len(self._outbox) if max_items is None else min(max_items, len(self._outbox))
-            return [self._outbox.popleft() for _ in range(n)]
-
-    def generate(self, requests: Sequence[GenerationRequest],
-                 timeout: Optional[float] = None) -> List[Completion]:
-        requests = list(requests)
-        for r in requests:  # all or nothing
-            validate_request(r, self.vocab_size, self.max_seq_len)
-        for r in requests:
-            self.submit(r)
-        wanted = {r.request_id for r in requests}
-        total = sum(int(r.params.n) for r in requests)
-        got: Dict[tuple, Completion] = {}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while True:
-                failed = wanted & set(self._failures)
-                if failed:
-                    rid = sorted(failed)[0]
-                    raise RequestError(self._failures.pop(rid))
-                for c in [c for c in self._outbox if c.request_id in wanted]:
+            bad = failed()
+            if bad:
+                rid = next(iter(self._failures)) if request_ids is None else bad[0]
+                raise RequestError(self._failures.pop(rid), request_id=rid)
+            mine = mine if max_items is None else mine[:max_items]
+            if request_ids is None:
+                for _ in mine:
+                    self._outbox.popleft()
+            else:
+                for c in mine:
                     self._outbox.remove(c)
-                    got[(c.request_id, c.sample_index)] = c
-                if len(got) >= total:
-                    break
-                if self._closed:
-                    raise EngineClosedError("engine closed during generate")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"generate: {total - len(got)} samples unfinished after "
-                                       f"{timeout}s")
-                self._cv.wait(min(left, 1.0) if left is not None else 1.0)
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        return sorted(got.values(), key=lambda c: (order[c.request_id], c.sample_index))
+            return mine
 
     def abort(self, request_id: str) -> int:
         """Queued samples end at once; running ones when their server answers the abort
@@ -262,7 +238,7 @@ class SGLangEngine(ServerFleet, InferenceEngine):
             queued = [j for j in self._pending if j.samples[0].request.request_id == request_id]
             for j in queued:
                 self._pending.remove(j)
-            running = [j for s in self._servers for j in s.jobs
+            running = [j for j in self.fleet.running_jobs()
                        if j.samples[0].request.request_id == request_id]
             for j in queued:
                 for smp in j.samples:
@@ -288,15 +264,12 @@ class SGLangEngine(ServerFleet, InferenceEngine):
         while True:
             with self._cv:
                 while not self._stop.is_set() and (
-                        self._paused or not self._pending or self._pick_server() is None):
+                        self.fleet.paused or not self._pending or self.fleet.pick() is None):
                     self._cv.wait()
                 if self._stop.is_set():
                     return
                 job = self._pending.popleft()
-                server = self._pick_server()
-                job.server, job.sent_version = server, server.version
-                server.jobs.add(job)
-                self._change_in_flight(server, len(job.samples))
+                self.fleet.assign(job, self.fleet.pick())
                 now = time.time()
                 for smp in job.samples:
                     if not smp.start_time:
@@ -317,19 +290,19 @@ class SGLangEngine(ServerFleet, InferenceEngine):
                                      max_tokens=smp.max_new - smp.n_generated)
                         for item, smp in zip(answer_items(answer, job), job.samples)]
         except ServerUnavailable as e:
-            self._release(job)
+            self.fleet.release(job)
             if self._stop.is_set():  # closing: close() returns the samples as 'abort'
                 with self._cv:
                     for smp in job.samples:
                         self._finish(smp, "abort")
                 return
-            self._mark_down(s, str(e))
+            self.fleet.mark_down(s, str(e))
             self._reroute(job, str(e))
             self._abort_on_server(job)  # in case it is only slow: do not leave the work there
             return
         except HTTPError as e:
             if e.status >= 500:  # the server's fault: another server may serve it
-                self._release(job)
+                self.fleet.release(job)
                 with self._cv:
                     s.counts["errors"] += 1
                 log.warning("%s; sending %s elsewhere", e, job.name)
@@ -341,7 +314,7 @@ class SGLangEngine(ServerFleet, InferenceEngine):
         except Exception as e:  # noqa: BLE001 - never lose a request to a client bug
             log.exception("request %s failed in the client", job.name)
             error = f"client error: {type(e).__name__}: {e}"
-        self._release(job)
+        self.fleet.release(job)
         with self._cv:
             s.counts["requests"] += 1
             if error is not None:
@@ -351,31 +324,25 @@ class SGLangEngine(ServerFleet, InferenceEngine):
             for smp, seg in zip(job.samples, segments):
                 self._on_segment(smp, seg, s)
 
-    def _release(self, job: Job) -> None:
-        with self._cv:
-            job.server.jobs.discard(job)
-            self._change_in_flight(job.server, -len(job.samples))
-            self._cv.notify_all()
-
     def _reroute(self, job: Job, why: str) -> None:
         with self._cv:
             live = [smp for smp in job.samples if not smp.done]
             if not live:
                 return
             job.reroutes += 1
-            self._counters["rerouted_requests"] += 1
-            if job.reroutes > max(self.config.max_retries, len(self._servers)):
+            self._stats.totals["rerouted_requests"] += 1
+            if job.reroutes > max(self.config.max_retries, len(self.fleet.servers)):
                 log.error("giving up on %s after %d servers failed it (last: %s); its samples "
                           "return with finish reason 'abort'", job.name, job.reroutes, why)
                 for smp in live:
-                    self._counters["failed_samples"] += 1
+                    self._stats.totals["failed_samples"] += 1
                     self._finish(smp, "abort")
                 return
             self._enqueue(Job(live, self._name(live[0].request.request_id), job.reroutes))
 
     def _fail(self, job: Job, error: str) -> None:  # holds _cv
         rid = job.samples[0].request.request_id
-        self._counters["request_errors"] += 1
+        self._stats.totals["request_errors"] += 1
         self._failures[rid] = f"request {rid!r}: {error}"
         for smp in job.samples:
             smp.done = True
@@ -395,26 +362,25 @@ class SGLangEngine(ServerFleet, InferenceEngine):
             for key in ("tokens", "logps", "versions", "kv_versions"):
                 getattr(smp, key).append(seg[key])
         if not seg["exact"]:
-            self._counters["inexact_provenance_segments"] += 1
+            self._stats.totals["inexact_provenance_segments"] += 1
             smp.inexact = True
-        for cnt in (self._counters, self._window):
-            cnt["tokens"] += c
+        self._stats.add(tokens=c)
         server.counts["tokens"] += c
         reason = seg["reason"]
         rid = smp.request.request_id
         if reason != "abort" or rid in self._aborted or self._closed:
             self._finish(smp, reason)
             return
-        self._counters["server_aborted_segments"] += 1
+        self._stats.totals["server_aborted_segments"] += 1
         room = min(smp.max_new - smp.n_generated,
                    self.max_seq_len - len(smp.prompt) - smp.n_generated)
         if self.config.on_abort == "resubmit" and smp.resubmits < self.config.max_resubmits \
                 and room > 0:
             smp.resubmits += 1
-            self._counters["resubmitted_samples"] += 1
+            self._stats.totals["resubmitted_samples"] += 1
             self._enqueue(Job([smp], self._name(rid)))
         else:
-            self._counters["dropped_aborted_samples"] += 1
+            self._stats.totals["dropped_aborted_samples"] += 1
             self._finish(smp, "abort")
 
     def _finish(self, smp: Sample, reason: str) -> None:  # holds _cv
@@ -422,18 +388,15 @@ class SGLangEngine(ServerFleet, InferenceEngine):
             return
         smp.done = True
         rid = smp.request.request_id
-        cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt))
-        start = smp.start_version if smp.start_version is not None else self._version
-        self._outbox.append(Completion(
-            request_id=rid, sample_index=smp.index, prompt_ids=smp.prompt,
-            token_ids=cat(smp.tokens, np.int32), logp_behaviour=cat(smp.logps, np.float32),
-            version=cat(smp.versions, np.int32), kv_version=cat(smp.kv_versions, np.int32),
-            finish_reason=reason, start_version=int(start), engine_id=self.engine_id,
-            submit_time=smp.submit_time, start_time=smp.start_time or time.time(),
-            finish_time=time.time()))
+        start = smp.start_version if smp.start_version is not None else self.fleet.version
+        self._outbox.append(completion_from_chunks(
+            smp.request, smp.index, smp.prompt, smp.tokens, smp.logps, smp.versions,
+            smp.kv_versions, finish_reason=reason, start_version=start,
+            engine_id=self.engine_id, submit_time=smp.submit_time,
+            start_time=smp.start_time or time.time()))
         if smp.inexact:
-            self._counters["inexact_provenance_samples"] += 1
-        self._counters["completed_samples"] += 1
+            self._stats.totals["inexact_provenance_samples"] += 1
+        self._stats.totals["completed_samples"] += 1
         left = [s for s in self._live.get(rid, []) if not s.done]
         if not left:
             self._live.pop(rid, None)
@@ -444,71 +407,69 @@ class SGLangEngine(ServerFleet, InferenceEngine):
 
     def pause(self) -> None:
         """Stops sending requests and pauses every server (requests stay on them)."""
-        with self._cv:
-            self._paused = True
-        mode = "retract" if self.config.pause_mode == "abort" else self.config.pause_mode
-        for s in [s for s in self._servers if s.up]:
-            try:
-                s.client.post("/pause_generation", {"mode": mode},
-                              timeout=self.config.control_timeout_s)
-            except (HTTPError, ServerUnavailable) as e:
-                self._mark_down(s, str(e))
+        self.fleet.pause()
 
     def resume(self) -> None:
-        with self._cv:
-            self._paused = False
-            self._cv.notify_all()
-        for s in [s for s in self._servers if s.up]:
-            try:
-                s.client.post("/continue_generation", {}, timeout=self.config.control_timeout_s)
-            except (HTTPError, ServerUnavailable) as e:
-                self._mark_down(s, str(e))
+        self.fleet.resume()
+
+    def update_weights(self, weights: Any, version: int, *, wait: bool = True,
+                       timeout: Optional[float] = None, allow_older: bool = False) -> None:
+        """Refits every server to `weights` (an HF directory, or arrays written to
+        `weights_dir/v{version:08d}` first). See `InferenceEngine.update_weights`;
+        `allow_older` permits going back to an older version (lag injection)."""
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+            raise ValueError(f"update_weights: version must be an integer, got {version!r}")
+        version = int(version)
+        self.fleet.check_newer(version, allow_older)
+        path = self._weights_path(weights, version)
+        self.fleet.refit(path, version, wait=wait, timeout=timeout, allow_older=allow_older)
+
+    def _weights_path(self, weights: Any, version: int) -> str:
+        if isinstance(weights, (str, os.PathLike)):
+            # Read by the servers, on their hosts: a shared file system, same path everywhere.
+            return os.path.abspath(os.fspath(weights))
+        if not self.weights_dir or self.model_config is None:
+            raise ValueError("update_weights: arrays need SGLangEngine(weights_dir=..., "
+                             "model_config=...) to be written as an HF directory; pass a "
+                             "checkpoint directory instead")
+        # Appears atomically (a server never loads half a version); an older copy is replaced.
+        return write_versioned_dir(
+            self.weights_dir, version,
+            lambda d: write_hf_dir(weights, self.model_config, d), overwrite=True)
 
     def health(self) -> Dict[str, Any]:
         with self._cv:
-            up = [s.url for s in self._servers if s.up]
-            down = {s.url: s.reason for s in self._servers if not s.up}
-            error = None if up else f"no SGLang server in routing: {down}"
-            return {"ok": error is None and not self._closed, "version": self._version,
-                    "running": not self._closed, "paused": self._paused,
-                    "closed": self._closed, "error": error, "engine_id": self.engine_id,
-                    "servers_up": up, "servers_down": down,
-                    "refit_errors": {s.url: s.refit_error for s in self._servers
-                                     if s.refit_error}}
+            fleet = self.fleet.health()
+            return {"ok": fleet["error"] is None and not self._closed,
+                    "version": self.fleet.version, "running": not self._closed,
+                    "paused": self.fleet.paused, "closed": self._closed,
+                    "error": fleet["error"], "engine_id": self.engine_id,
+                    "servers_up": fleet["servers_up"], "servers_down": fleet["servers_down"],
+                    "refit_errors": fleet["refit_errors"]}
 
     def stats(self) -> Dict[str, Any]:
         with self._cv:
             now = time.perf_counter()
-            self._change_in_flight(self._servers[0], 0)  # close the occupancy integrals
-            w, c = self._window, self._counters
-            span = max(now - self._window_start, 1e-9)
-            capacity = sum(s.capacity for s in self._servers if s.up)
-            servers = [{
-                "url": s.url, "up": s.up, "reason": s.reason, "in_flight": s.in_flight,
-                "version": s.version, "refits": s.refits, "last_refit_s": s.last_refit_s,
-                "refit_error": s.refit_error,
-                "mean_refit_s": s.refit_s_total / s.refits if s.refits else None,
-                "requests": s.counts["requests"], "errors": s.counts["errors"],
-                "tokens": s.counts["tokens"], "removed": s.counts["removed"],
-                "retries": s.client.retries} for s in self._servers]
-            refit_times = [s.last_refit_s for s in self._servers if s.last_refit_s is not None]
+            occupancy, _ = self.fleet.roll_window(now)
+            w, span = self._stats.roll(now)
+            w.update(occupancy)
+            c, f = self._stats.totals, self.fleet.stats()
+            capacity = self.fleet.capacity()
             out = {
-                "engine_id": self.engine_id, "version": self._version,
-                "num_slots": capacity, "active_slots": self._in_flight,
+                "engine_id": self.engine_id, "version": self.fleet.version,
+                "num_slots": capacity, "active_slots": self.fleet.in_flight,
                 "queued_samples": sum(len(j.samples) for j in self._pending),
                 "queued_requests": len(self._pending),
                 # averages over the window since the previous stats() call
-                "window_s": span,
-                "tokens_per_s": w["tokens"] / span,
-                "busy_fraction": min(w["busy_s"] / span, 1.0),
+                **window_rates(w, span),
                 "slot_occupancy": min(w["slot_s"] / (span * capacity), 1.0) if capacity else 0.0,
                 "window_decode_steps": 0,  # SGLang does not report its decode steps
                 # totals
                 "generated_tokens": c["tokens"], "completed_samples": c["completed_samples"],
-                "refits": c["refits"], "last_refit_s": max(refit_times) if refit_times else None,
-                "refit_failures": c["refit_failures"], "deferred_refits": c["deferred_refits"],
-                "refits_superseded": c["refits_superseded"],
-                "retries": sum(s.client.retries for s in self._servers),
+                "refits": f["refits"], "last_refit_s": f["last_refit_s"],
+                "refit_failures": f["refit_failures"], "deferred_refits": f["deferred_refits"],
+                "refits_superseded": f["refits_superseded"],
+                "retries": f["retries"],
                 "rerouted_requests": c["rerouted_requests"],
                 "request_errors": c["request_errors"],
                 "server_aborted_segments": c["server_aborted_segments"],
@@ -516,12 +477,9 @@ class SGLangEngine(ServerFleet, InferenceEngine):
                 "dropped_aborted_samples": c["dropped_aborted_samples"],
                 "failed_samples": c["failed_samples"],
                 "inexact_provenance_samples": c["inexact_provenance_samples"],
-                "servers_up": sum(s.up for s in self._servers),
-                "servers_down": [s.url for s in self._servers if not s.up],
-                "servers": servers,
+                "servers_up": f["servers_up"], "servers_down": f["servers_down"],
+                "servers": f["servers"],
             }
-            self._window = collections.Counter()
-            self._window_start = now
             return out
 
     def close(self) -> None:
@@ -531,7 +489,7 @@ class SGLangEngine(ServerFleet, InferenceEngine):
             self._closed = True
             self._stop.set()
             self._cv.notify_all()
-            running = [j for s in self._servers for j in s.jobs]
+            running = self.fleet.running_jobs()
             queued = list(self._pending)
             self._pending.clear()
             for j in queued:
@@ -541,13 +499,12 @@ class SGLangEngine(ServerFleet, InferenceEngine):
             self._abort_on_server(j)
         with self._cv:
             deadline = time.monotonic() + min(5.0, self.config.control_timeout_s)
-            while any(s.jobs for s in self._servers) and time.monotonic() < deadline:
+            while self.fleet.running_jobs() and time.monotonic() < deadline:
                 self._cv.wait(0.1)
-            for j in [j for s in self._servers for j in s.jobs]:
+            for j in self.fleet.running_jobs():
                 for smp in j.samples:
                     self._finish(smp, "abort")
-        for s in self._servers:  # unblocks threads still waiting on an unresponsive server
-            s.client.close()
+        self.fleet.close_clients()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

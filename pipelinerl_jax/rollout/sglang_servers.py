@@ -17,9 +17,12 @@ Updates are coalesced: while one refit runs, only the newest pending version is 
 a failed load SGLang keeps serving its previous weights: the server stays in routing and the
 failure is reported (`health()['refit_errors']`).
 
-`ServerFleet` is a mixin of `SGLangEngine` and works on the state its `__init__` sets up
-(`_servers`, `_cv`, `_stop`, `_paused`, `_version`, `_newest`, `_path`, `_deferred`,
-`_refit_*`, in-flight counters).
+`SGLangEngine` owns one `ServerFleet` and uses it through its public methods. The fleet
+owns the servers' state: routing and in-flight accounting, health, the paused flag, and the
+weights (live, newest accepted, the refit in progress and the one deferred while no server
+was up) with the refit and monitor threads. It shares two things with its engine, handed to
+it explicitly: the engine's condition variable (a dispatcher waits on it for a free server
+as well as for queued work) and the engine's stop event (set once the engine closes).
 """
 from __future__ import annotations
 
@@ -28,13 +31,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any, List, Optional
-
-import numpy as np
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pipelinerl_jax.rollout.engine import EngineClosedError
+from pipelinerl_jax.rollout.engine_stats import StatsWindow
 from pipelinerl_jax.rollout.sglang_client import HTTPError, ServerClient, ServerUnavailable
-from pipelinerl_jax.rollout.sglang_weights import write_hf_version
+from pipelinerl_jax.rollout.sglang_protocol import version_of
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +57,106 @@ class Server:
 
 
 class ServerFleet:
-    """Routing, health and refits of `SGLangEngine`'s servers (module docstring)."""
+    """Routing, health and refits of `SGLangEngine`'s servers (module docstring).
+
+    `servers`: the `Server`s; `config`: the engine's `sglang` section; `cv`: the engine's
+    condition variable (every method marked "holds cv" is called with it held); `stop`: the
+    engine's stop event; `name`: for errors and thread names.
+    """
+
+    def __init__(self, servers: Sequence[Server], config, cv: threading.Condition,
+                 stop: threading.Event, name: str):
+        self.servers = list(servers)
+        self.config, self.name = config, name
+        self._cv, self._stop = cv, stop
+        self._paused = False
+        self._occupancy = StatsWindow()  # samples in flight over time: slot_s, busy_s
+        self._counts: collections.Counter = collections.Counter()
+        # weights: newest accepted, live, and the refit in progress / pending
+        self._version = -1
+        self._newest = -1
+        self._path: Optional[str] = None  # directory of the live version
+        self._refit_target = None  # (seq, path, version)
+        # The newest version requested while no server was up: servers that come back are
+        # refit to it (not to the older live one), so the engine cannot stay behind forever.
+        self._deferred: Optional[Tuple[str, int]] = None
+        self._refit_seq = self._refit_done = 0
+        self._refit_error: Dict[int, str] = {}
+        self._threads: List[threading.Thread] = []
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def version(self) -> int:
+        """The version every server in routing serves."""
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def in_flight(self) -> int:
+        """Samples on the servers now."""
+        return self._occupancy.current_level
+
+    def running_jobs(self) -> list:  # holds cv
+        return [j for s in self.servers for j in s.jobs]
 
     # ------------------------------------------------------------------ routing
 
-    def _pick_server(self) -> Optional[Server]:  # holds _cv
-        ready = [s for s in self._servers if s.up and s.in_flight < s.capacity]
+    def pick(self) -> Optional[Server]:  # holds cv
+        """The healthy server with the most room relative to its capacity; None if full."""
+        ready = [s for s in self.servers if s.up and s.in_flight < s.capacity]
         return min(ready, key=lambda s: s.in_flight / s.capacity) if ready else None
 
-    def _change_in_flight(self, s: Server, delta: int) -> None:  # holds _cv
-        now = time.perf_counter()
-        for c in (self._counters, self._window):
-            c["slot_s"] += self._in_flight * (now - self._last_change)
-            c["busy_s"] += (now - self._last_change) if self._in_flight else 0.0
-        self._last_change = now
-        self._in_flight += delta
+    def assign(self, job, server: Server) -> None:  # holds cv
+        job.server, job.sent_version = server, server.version
+        server.jobs.add(job)
+        self._change_in_flight(server, len(job.samples))
+
+    def release(self, job) -> None:
+        """The job's server answered (or failed): its samples leave the server."""
+        with self._cv:
+            job.server.jobs.discard(job)
+            self._change_in_flight(job.server, -len(job.samples))
+            self._cv.notify_all()
+
+    def _change_in_flight(self, s: Server, delta: int) -> None:  # holds cv
+        self._occupancy.level(delta)
         s.in_flight += delta
 
     # ------------------------------------------------------------------ startup / health
+
+    def bring_up(self, wait_ready: bool) -> None:
+        """Waits up to `health_deadline_s` for the servers' /health (`wait_ready`), or
+        routes to every server at once."""
+        if wait_ready:
+            self._wait_ready(self.config.health_deadline_s)
+        else:
+            for s in self.servers:
+                s.up, s.reason = True, None
+
+    def read_versions(self, version: Optional[int]) -> int:
+        """Reads each server's weight version (a server without a label holds `version`);
+        returns the starting version: `version`, or (None) the oldest the servers report."""
+        for s in self.servers:
+            if s.up:  # a server without a label (sglang-jax) holds `version`
+                label = self._model_info(s)
+                s.version = version_of(label) if label is not None or version is None \
+                    else int(version)
+        if version is None:
+            version = min((s.version for s in self.servers if s.up), default=-1)
+        self._version = self._newest = int(version)
+        return self._version
+
+    def start_threads(self) -> None:
+        """Starts the refit and monitor threads."""
+        self._threads = [threading.Thread(target=f, daemon=True, name=f"{self.name}-{n}")
+                         for n, f in (("refit", self._refit_loop),
+                                      ("monitor", self._monitor_loop))]
+        for t in self._threads:
+            t.start()
 
     def _wait_ready(self, deadline_s: float) -> None:
         deadline = time.monotonic() + deadline_s
@@ -88,15 +172,15 @@ class ServerFleet:
                     return
                 time.sleep(min(0.2, left))
 
-        threads = [threading.Thread(target=wait, args=(s,), daemon=True) for s in self._servers]
+        threads = [threading.Thread(target=wait, args=(s,), daemon=True) for s in self.servers]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        if not any(s.up for s in self._servers):
+        if not any(s.up for s in self.servers):
             raise TimeoutError(f"no SGLang server answered /health within {deadline_s}s "
                                f"(sglang.health_deadline_s): {list(self.config.urls)}")
-        for s in self._servers:
+        for s in self.servers:
             if not s.up:
                 log.warning("SGLang server %s is not ready (%s); routing around it", s.url,
                             s.reason)
@@ -108,7 +192,8 @@ class ServerFleet:
         except (HTTPError, ServerUnavailable):
             return None
 
-    def _mark_down(self, s: Server, reason: str) -> None:
+    def mark_down(self, s: Server, reason: str) -> None:
+        """Takes `s` out of routing (its requests go to the others) until it answers again."""
         with self._cv:
             if s.up:
                 log.warning("SGLang server %s removed from routing: %s", s.url, reason)
@@ -120,7 +205,7 @@ class ServerFleet:
         """Re-admits removed servers that answer /health again, after refitting them to the
         live version (always: a server that comes back may have been restarted)."""
         while not self._stop.wait(self.config.health_check_interval_s):
-            for s in [s for s in self._servers if not s.up]:
+            for s in [s for s in self.servers if not s.up]:
                 if self._stop.is_set() or not s.client.healthy(timeout=5.0):
                     continue
                 with self._cv:
@@ -133,8 +218,8 @@ class ServerFleet:
                 with self._cv:
                     if self._deferred == (path, version):  # the version missed while down
                         self._version, self._path, self._deferred = version, path, None
-                        self._counters["refits"] += 1
-                        self._counters["deferred_refits"] += 1
+                        self._counts["refits"] += 1
+                        self._counts["deferred_refits"] += 1
                     if self._version != version:  # a newer one went live meanwhile: again
                         continue
                     s.up, s.reason = True, None
@@ -142,19 +227,51 @@ class ServerFleet:
                     self._cv.notify_all()
                 log.warning("SGLang server %s is back in routing", s.url)
 
+    # ------------------------------------------------------------------ pause
+
+    def pause(self) -> None:
+        """Pauses every server (requests stay on them); the engine stops dispatching."""
+        with self._cv:
+            self._paused = True
+        mode = "retract" if self.config.pause_mode == "abort" else self.config.pause_mode
+        for s in [s for s in self.servers if s.up]:
+            try:
+                s.client.post("/pause_generation", {"mode": mode},
+                              timeout=self.config.control_timeout_s)
+            except (HTTPError, ServerUnavailable) as e:
+                self.mark_down(s, str(e))
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+        for s in [s for s in self.servers if s.up]:
+            try:
+                s.client.post("/continue_generation", {}, timeout=self.config.control_timeout_s)
+            except (HTTPError, ServerUnavailable) as e:
+                self.mark_down(s, str(e))
+
     # ------------------------------------------------------------------ weights
 
-    def update_weights(self, weights: Any, version: int, *, wait: bool = True,
-                       timeout: Optional[float] = None, allow_older: bool = False) -> None:
-        """Refits every server to `weights` (an HF directory, or arrays written to
-        `weights_dir/v{version:08d}` first). See `InferenceEngine.update_weights`;
-        `allow_older` permits going back to an older version (lag injection)."""
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-            raise ValueError(f"update_weights: version must be an integer, got {version!r}")
-        version = int(version)
+    def check_newer(self, version: int, allow_older: bool) -> None:
+        """Raises unless `version` may be installed (see `InferenceEngine.update_weights`)."""
         with self._cv:
             self._check_newer(version, allow_older)
-        path = self._weights_path(weights, version)
+
+    def _check_newer(self, version: int, allow_older: bool) -> None:  # holds cv
+        if self._stop.is_set():
+            raise EngineClosedError(f"engine {self.name} is closed")
+        if not allow_older and version <= self._newest:
+            raise ValueError(
+                f"update_weights: version {version} is not newer than the engine's version "
+                f"{self._newest} (live {self._version}); versions must strictly increase, a "
+                "stale or duplicate update is never applied")
+
+    def refit(self, path: str, version: int, *, wait: bool = True,
+              timeout: Optional[float] = None, allow_older: bool = False) -> None:
+        """Refits every server to the HF directory `path` as `version` (coalesced: while a
+        refit runs, only the newest pending version is applied next); with `wait`, returns
+        once it is live, raising if no server could install it."""
         with self._cv:
             self._check_newer(version, allow_older)
             self._refit_seq += 1
@@ -165,7 +282,7 @@ class ServerFleet:
             if not wait:
                 return
             deadline = None if timeout is None else time.monotonic() + timeout
-            while self._refit_done < seq and not self._closed:
+            while self._refit_done < seq and not self._stop.is_set():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"update_weights: version {version} not live after "
@@ -176,24 +293,6 @@ class ServerFleet:
             if self._refit_done < seq:
                 raise EngineClosedError(f"engine closed before version {version} went live")
 
-    def _check_newer(self, version: int, allow_older: bool) -> None:  # holds _cv
-        self._check_open()
-        if not allow_older and version <= self._newest:
-            raise ValueError(
-                f"update_weights: version {version} is not newer than the engine's version "
-                f"{self._newest} (live {self._version}); versions must strictly increase, a "
-                "stale or duplicate update is never applied")
-
-    def _weights_path(self, weights: Any, version: int) -> str:
-        if isinstance(weights, (str, os.PathLike)):
-            # Read by the servers, on their hosts: a shared file system, same path everywhere.
-            return os.path.abspath(os.fspath(weights))
-        if not self.weights_dir or self.model_config is None:
-            raise ValueError("update_weights: arrays need SGLangEngine(weights_dir=..., "
-                             "model_config=...) to be written as an HF directory; pass a "
-                             "checkpoint directory instead")
-        return write_hf_version(weights, self.model_config, self.weights_dir, version)
-
     def _refit_loop(self) -> None:
         while True:
             with self._cv:
@@ -202,25 +301,25 @@ class ServerFleet:
                 if self._stop.is_set():
                     return
                 (seq, path, version), self._refit_target = self._refit_target, None
-                servers = [s for s in self._servers if s.up]
+                servers = [s for s in self.servers if s.up]
             results = self._refit_all(servers, path, version)
             ok = [s for s, (good, _) in zip(servers, results) if good]
             with self._cv:
                 if ok:
                     self._version, self._path = version, path
-                    self._counters["refits"] += 1
+                    self._counts["refits"] += 1
                     if self._deferred is not None and self._deferred[1] <= version:
                         self._deferred = None
                 elif self._refit_target is not None and not os.path.isdir(path):
                     # The learner garbage-collected it under a newer version: apply that one.
-                    self._counters["refits_superseded"] += 1
+                    self._counts["refits_superseded"] += 1
                 else:
                     if not servers:
                         self._deferred = (path, version)  # installed when a server is back
                     msgs = "; ".join(f"{s.url}: {m}" for s, (_, m) in zip(servers, results))
                     self._refit_error[seq] = (f"update_weights: version {version} could not be "
                                               f"installed on any server ({msgs or 'none up'})")
-                    self._counters["refit_failures"] += 1
+                    self._counts["refit_failures"] += 1
                     log.error(self._refit_error[seq])
                 self._refit_done = seq
                 self._cv.notify_all()
@@ -268,7 +367,7 @@ class ServerFleet:
                 s.refit_error = msg
             return False, msg
         except ServerUnavailable as e:
-            self._mark_down(s, str(e))
+            self.mark_down(s, str(e))
             return False, str(e)
         dt = time.perf_counter() - t0
         with self._cv:
@@ -278,3 +377,48 @@ class ServerFleet:
             s.last_refit_s = dt
             s.refit_error = None
         return True, ""
+
+    # ------------------------------------------------------------------ reports
+
+    def health(self) -> dict:  # holds cv
+        up = [s.url for s in self.servers if s.up]
+        down = {s.url: s.reason for s in self.servers if not s.up}
+        return {"error": None if up else f"no SGLang server in routing: {down}",
+                "servers_up": up, "servers_down": down,
+                "refit_errors": {s.url: s.refit_error for s in self.servers if s.refit_error}}
+
+    def roll_window(self, now: float):  # holds cv
+        """(occupancy counts `slot_s`, `busy_s` over the window, its span); starts the next."""
+        self._occupancy.level(0, now)  # close the occupancy integrals
+        return self._occupancy.roll(now)
+
+    def capacity(self) -> int:  # holds cv
+        """Samples the servers in routing take at once."""
+        return sum(s.capacity for s in self.servers if s.up)
+
+    def stats(self) -> dict:  # holds cv
+        """The fleet's totals and per-server figures (`SGLangEngine.stats`)."""
+        c = self._counts
+        refit_times = [s.last_refit_s for s in self.servers if s.last_refit_s is not None]
+        servers = [{
+            "url": s.url, "up": s.up, "reason": s.reason, "in_flight": s.in_flight,
+            "version": s.version, "refits": s.refits, "last_refit_s": s.last_refit_s,
+            "refit_error": s.refit_error,
+            "mean_refit_s": s.refit_s_total / s.refits if s.refits else None,
+            "requests": s.counts["requests"], "errors": s.counts["errors"],
+            "tokens": s.counts["tokens"], "removed": s.counts["removed"],
+            "retries": s.client.retries} for s in self.servers]
+        return {
+            "refits": c["refits"], "last_refit_s": max(refit_times) if refit_times else None,
+            "refit_failures": c["refit_failures"], "deferred_refits": c["deferred_refits"],
+            "refits_superseded": c["refits_superseded"],
+            "retries": sum(s.client.retries for s in self.servers),
+            "servers_up": sum(s.up for s in self.servers),
+            "servers_down": [s.url for s in self.servers if not s.up],
+            "servers": servers,
+        }
+
+    def close_clients(self) -> None:
+        """Unblocks threads still waiting on an unresponsive server."""
+        for s in self.servers:
+            s.client.close()

@@ -54,8 +54,6 @@ from pipelinerl_jax.rollout.admission import (AdmissionPolicy, BatchPlaces, Inje
 from pipelinerl_jax.rollout.group_source import EpisodeGroups, GroupSource, SampleGroups
 from pipelinerl_jax.rollout.rollout_log import EngineMonitor, RolloutLog
 from pipelinerl_jax.rollout.scoring import Scorer
-from pipelinerl_jax.transport.versioned_dir import version_dir
-from pipelinerl_jax.transport.weight_sink import weights_dir
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +166,11 @@ class RolloutWorker:
         """Weight-subscriber callback (subscriber thread): stream version `version` holds
         the weights of `policy_version` (the same but under lag injection).
 
-        An empty `params` is a notification that version `version` was written as an HF
-        checkpoint directory (`transport.weight_sink.HFDirSink`); the engine loads it there.
+        `params` is the `{name: array}` dict, or the path (a `str`) of the HF checkpoint
+        directory the version was published as (`transport.weight_sink.HFDirSink`); the
+        engine loads it there.
         """
         self.rollout_log.weights_received(version)
-        if not params:
-            params = version_dir(weights_dir(self.cfg, self.workdir or "."), version)
         self.admission.on_weights(version, params, policy_version)
 
     def admit(self, max_requests: int) -> int:

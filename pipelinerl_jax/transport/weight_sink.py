@@ -10,8 +10,9 @@
   multi-process learner (exactly one process publishes).
 - `HFDirSink` ('hf_dir'): each version written as a Hugging Face checkpoint directory
   `weights_dir/v{version:08d}` (atomically; all but the newest `sampler.keep_weight_versions`
-  deleted), then an empty notification for that version on the same stream; engines that
-  load from disk (SGLang's `/update_weights_from_disk`) read it there.
+  deleted), then announced on the same stream with its path (`WeightPublisher.publish_dir`:
+  the message carries the directory, no tensors); engines that load from disk (SGLang's
+  `/update_weights_from_disk`) read it there.
 
 The learner hands every sink the same thing (`{"layers/0/attn/q_proj": ndarray}`, the
 version, and the policy version when lag injection ships older weights) and never knows
@@ -23,13 +24,10 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping, Optional, Protocol
 
-import jax
 import numpy as np
-from flax import nnx
 
-from pipelinerl_jax.models import Decoder, load_config, save_pretrained
+from pipelinerl_jax.models import load_config, write_hf_dir
 from pipelinerl_jax.models.config import dtype_of
-from pipelinerl_jax.sharding import path_name
 from pipelinerl_jax.transport.config import publisher_kwargs, weights_address
 from pipelinerl_jax.transport.versioned_dir import gc_versions, write_versioned_dir
 from pipelinerl_jax.transport.weights import WeightPublisher
@@ -87,10 +85,10 @@ class HFDirSink:
     def publish(self, version: int, params: Params,
                 policy_version: Optional[int] = None) -> None:
         # overwrite: a learner restarted from an older checkpoint writes versions again
-        write_versioned_dir(self.root, version, lambda d: self.save_model(params, d),
-                            overwrite=True)
+        path = write_versioned_dir(self.root, version, lambda d: self.save_model(params, d),
+                                   overwrite=True)
         gc_versions(self.root, self.keep_versions)
-        self.publisher.publish(version, {}, policy_version)
+        self.publisher.publish_dir(version, os.path.abspath(path), policy_version)
 
     def close(self) -> None:
         self.publisher.stop()
@@ -98,37 +96,17 @@ class HFDirSink:
 
 def hf_checkpoint_writer(checkpoint: str, dtype="float32",
                          param_dtype=None) -> Callable[[Params, str], None]:
-    """`save(params, directory)`: `save_pretrained` of a model shaped like `checkpoint`'s
-    (loaded with these dtypes, as the learner loads it) holding `params`. Only the config is
-    read here; the model is assembled from host arrays, nothing goes to a device."""
+    """`save(params, directory)`: the HF directory of a model shaped like `checkpoint`'s
+    (loaded with these dtypes, as the learner loads it) holding `params`, written by
+    `models.write_hf_dir` (the one HF-directory writer; it checks names, shapes and dtypes).
+    Only the config is read here; nothing goes to a device."""
     config = load_config(checkpoint, dtype=dtype_of(dtype),
                          param_dtype=None if param_dtype is None else dtype_of(param_dtype))
-    graphdef, like = nnx.split(nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(0))))
-    names = {path_name(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_var)[0]}
 
     def save(params: Params, directory: str) -> None:
-        missing, extra = sorted(names - set(params)), sorted(set(params) - names)
-        if missing or extra:
-            raise KeyError(f"weights do not match the model: missing {missing[:5]}, "
-                           f"unknown {extra[:5]}")
-
-        def fill(path, var):
-            name, like_value = path_name(path), var.get_value()
-            value = np.asarray(params[name])
-            if value.shape != tuple(like_value.shape):
-                raise ValueError(f"parameter {name!r}: shape {value.shape} != "
-                                 f"{tuple(like_value.shape)}")
-            return var.replace(value.astype(like_value.dtype))
-
-        state = jax.tree_util.tree_map_with_path(fill, like, is_leaf=_is_var)
-        save_pretrained(nnx.merge(graphdef, state), directory)
+        write_hf_dir(params, config, directory)
 
     return save
-
-
-def _is_var(x) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 def weights_dir(cfg, workdir: str) -> str:

@@ -10,10 +10,16 @@ Tensors are laid out in one payload at 64-byte-aligned offsets, so the subscribe
 chunk straight into one preallocated buffer and hands out views of it: no per-tensor copies.
 
 The header may also carry a `policy_version`: which policy the weights are when that is not
-`version` itself (lag injection ships an older policy's weights as a new stream version).
+`version` itself (lag injection ships an older policy's weights as a new stream version), and
+a `path`: a version published as an HF checkpoint directory (`publish_dir`, used by
+`weight_sink.HFDirSink`) carries no tensors, only that directory's absolute path, which the
+subscriber hands to its callback in place of the arrays (what was published travels in the
+message: the receiver rebuilds nothing from its own config).
 
 Guarantees to the subscriber's `on_weights(version, params, policy_version)` callback
-(`policy_version` is the header's, or `version` when the publisher gave none):
+(`params`: the `{name: array}` dict, or the directory path, a `str`, of a version published
+with `publish_dir`; `policy_version` is the header's, or `version` when the publisher gave
+none):
 - called only for a version whose every chunk arrived, in order, with matching crc32, version
   and sizes; a partial, corrupt or interleaved version is discarded, never applied;
 - versions are increasing per publisher instance; a subscriber that fell behind (or connects
@@ -27,7 +33,8 @@ Guarantees to the subscriber's `on_weights(version, params, policy_version)` cal
   wire types checked, a header is checked against what the subscriber accepts *before* its
   buffer is allocated (consistent tensor specs; `total_bytes` within `max_version_bytes`
   and this machine's physical memory; with `expected_shapes`, exactly those names and
-  shapes), and any exception while reading a version (a failed allocation included)
+  shapes; tensors or a path, never both nor neither; a path absolute, without NUL, at most
+  `MAX_PATH_CHARS`), and any exception while reading a version (a failed allocation included)
   discards that version, is recorded in `last_error`/`health()`, and the subscriber
   reconnects. The thread's loop is itself restarted if it ever raises (`thread_restarts`).
 The learner must announce version v to the RolloutQueue (`set_version`) BEFORE `publish(v)`,
@@ -49,7 +56,7 @@ import threading
 import uuid
 import zlib
 from concurrent import futures
-from typing import Callable, Mapping, NamedTuple, Optional
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import grpc
 import numpy as np
@@ -65,7 +72,22 @@ log = logging.getLogger(__name__)
 SERVICE = "pipelinerl_jax.WeightSync"
 SUBSCRIBE = f"/{SERVICE}/Subscribe"
 DEFAULT_CHUNK_BYTES = 4 << 20
+MAX_PATH_CHARS = 4096  # a published directory's path (PATH_MAX on Linux)
 _ALIGN = 64
+
+
+def path_problem(path) -> Optional[str]:
+    """Why `path` cannot be a published directory's path (None if it can): publisher and
+    subscriber check it alike."""
+    if not isinstance(path, str) or not path:
+        return f"must be a non-empty string, got {path!r:.100}"
+    if len(path) > MAX_PATH_CHARS:
+        return f"{len(path)} characters, more than {MAX_PATH_CHARS}"
+    if "\0" in path:
+        return "contains a NUL character"
+    if not os.path.isabs(path):
+        return f"{path[:200]!r} is not absolute"
+    return None
 
 
 def _identity(x):
@@ -87,11 +109,12 @@ class _Version:
 
     def __init__(self, version: int, publisher_id: str, params: Mapping[str, np.ndarray],
                  chunk_bytes: int, crc_pool: Optional[futures.Executor],
-                 policy_version: Optional[int] = None):
+                 policy_version: Optional[int] = None, path: Optional[str] = None):
         if sys.byteorder != "little":
             raise NotImplementedError("weight sync assumes a little-endian host")
         header = pb.WeightHeader(version=version, publisher_id=publisher_id,
-                                 has_crc32=crc_pool is not None, policy_version=policy_version)
+                                 has_crc32=crc_pool is not None, policy_version=policy_version,
+                                 path=path)
         self.segments, offset = [], 0  # (payload offset, uint8 view of the tensor)
         for name, value in params.items():
             arr = np.asarray(value)
@@ -196,12 +219,29 @@ class WeightPublisher:
 
     def publish(self, version: int, params: Mapping[str, np.ndarray],
                 policy_version: Optional[int] = None) -> None:
-        """Makes `params` the newest version. Versions must increase. `policy_version`: the
-        policy these weights are, when not `version` (subscribers get `version` otherwise).
+        """Makes `params` (at least one tensor) the newest version. Versions must increase.
+        `policy_version`: the policy these weights are, when not `version` (subscribers get
+        `version` otherwise).
 
         Zero-copy: the arrays are read while streams send them, so they must not be modified
         after this call (`jax.device_get` returns fresh arrays, so the usual call is safe).
         """
+        if not params:
+            raise ValueError(f"version {version}: no tensors (a version published as a "
+                             "directory goes through publish_dir)")
+        self._publish(version, params, policy_version, None)
+
+    def publish_dir(self, version: int, path: str,
+                    policy_version: Optional[int] = None) -> None:
+        """Makes the HF checkpoint directory `path` (absolute, already complete) the newest
+        version: subscribers' callbacks get the path itself instead of arrays."""
+        problem = path_problem(path)
+        if problem is not None:
+            raise ValueError(f"version {version}: path {problem}")
+        self._publish(version, {}, policy_version, path)
+
+    def _publish(self, version: int, params: Mapping[str, np.ndarray],
+                 policy_version: Optional[int], path: Optional[str]) -> None:
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         if policy_version is not None and not 0 <= policy_version <= version:
@@ -211,7 +251,7 @@ class WeightPublisher:
             raise ValueError(f"version {version} is not newer than published {latest}")
         frames = _Version(int(version), self.publisher_id, params, self.chunk_bytes,
                           self._crc_pool,
-                          None if policy_version is None else int(policy_version))
+                          None if policy_version is None else int(policy_version), path)
         with self._cv:
             if self._latest is not None and version <= self._latest.version:
                 raise ValueError(f"version {version} raced with {self._latest.version}")
@@ -358,8 +398,9 @@ class _Assembler:
     The header is checked before anything is allocated: tensor specs consistent (known
     dtype, non-negative dims, `nbytes` = elements × itemsize, aligned, inside the payload),
     `total_bytes` no more than the tensors' extent plus alignment, within `max_bytes`, and,
-    with `expected_shapes` ({name: shape}), a non-empty version carries exactly those tensors
-    (an empty one is a notification: `weight_sink.HFDirSink`).
+    with `expected_shapes` ({name: shape}), exactly those tensors. A version carries
+    tensors or a `path` (a directory publication: no tensors, no bytes), never both nor
+    neither.
     """
 
     def __init__(self, header: pb.WeightHeader, max_bytes: int, pool: _BufferPool,
@@ -372,6 +413,16 @@ class _Assembler:
         if not 1 <= header.num_chunks <= max(1, total):
             raise _CorruptVersion(f"num_chunks {header.num_chunks} impossible for "
                                   f"total_bytes {total}")
+        if header.HasField("path"):
+            problem = path_problem(header.path)
+            if problem is not None:
+                raise _CorruptVersion(f"path {problem}")
+            if header.tensors or total:
+                raise _CorruptVersion(f"a directory publication ({header.path[:200]!r}) with "
+                                      f"{len(header.tensors)} tensors, {total} bytes")
+            expected_shapes = None  # the directory is checked where it is loaded
+        elif not header.tensors:
+            raise _CorruptVersion("a version with neither tensors nor a path")
         self.specs = self._check_specs(header, expected_shapes)
         extent = max((off + n for _, _, _, off, n in self.specs), default=0)
         if not extent <= total < extent + _ALIGN:
@@ -410,7 +461,7 @@ class _Assembler:
                     f"{where}: shape {list(shape)[:8]} where the subscriber expects "
                     f"{list(expected[t.name]) if t.name in expected else 'no such tensor'}")
             specs.append((t.name, dt, shape, t.offset, n))
-        if expected is not None and specs and names != set(expected):
+        if expected is not None and names != set(expected):
             missing = sorted(set(expected) - names)[:5]
             raise _CorruptVersion(f"tensors: missing {missing} the subscriber expects")
         return specs
@@ -435,7 +486,8 @@ class _Assembler:
         self.next_index += 1
         self.next_offset += len(data)
 
-    def finish(self, commit: pb.WeightCommit) -> dict[str, np.ndarray]:
+    def finish(self, commit: pb.WeightCommit):
+        """The version's `{name: array}` dict, or its path (a directory publication)."""
         h = self.header
         if (commit.version, commit.total_bytes, commit.num_chunks) != \
                 (h.version, h.total_bytes, h.num_chunks) or \
@@ -446,6 +498,8 @@ class _Assembler:
         for index, expected, crc in self.crcs:
             if crc.result() != expected:
                 raise _CorruptVersion(f"chunk {index}: crc32 mismatch")
+        if h.HasField("path"):
+            return h.path
         return {name: self.buffer[off:off + n].view(dt).reshape(shape)
                 for name, dt, shape, off, n in self.specs}
 
@@ -500,14 +554,15 @@ class WeightSubscriber:
     `on_weights(version, params, policy_version)` (module docstring: the guarantees).
 
     `params` arrays are views of a recycled version buffer: the callback may keep them (a
-    buffer is reused only once no view of it is alive). `expected_shapes` ({name: shape}, e.g.
-    the engine's parameters) bounds what a version may carry: a header with other names or
-    shapes is refused before anything is allocated. `max_version_bytes` (and this machine's
+    buffer is reused only once no view of it is alive). For a version published as a
+    directory (`WeightPublisher.publish_dir`), `params` is that path, a `str`.
+    `expected_shapes` ({name: shape}, e.g. the engine's parameters) bounds what a version
+    may carry: a header with other names or shapes is refused before anything is allocated. `max_version_bytes` (and this machine's
     physical memory) bounds it otherwise. `health()` tells whether the thread is alive and
     what went wrong last.
     """
 
-    def __init__(self, address: str, on_weights: Callable[[int, dict, int], None],
+    def __init__(self, address: str, on_weights: Callable[[int, Union[dict, str], int], None],
                  token: Optional[str] = None, tls: Optional[TLSConfig] = None, *,
                  max_message_bytes: int = DEFAULT_CHUNK_BYTES + (1 << 20),
                  max_version_bytes: int = 1 << 40, retry: RetryPolicy = RetryPolicy(),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax.lag_control import LagController, LagLaw
-from pipelinerl_jax.learner.loop import Shipper, flat_params
+from pipelinerl_jax.learner.loop import Shipper
+from pipelinerl_jax.models import flat_params
 from pipelinerl_jax.learner.publication import Publication
 
 _step = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)

@@ -87,7 +87,7 @@ def test_cut_weight_stream_keeps_the_worker_on_its_last_complete_version(tmp_pat
         assert got < total, "the whole version arrived before the kill"
         # Nothing of version 2 reached the engine: same version, same weights, same samples.
         assert engine.version == 1
-        live = flat_params(engine._params)
+        live = flat_params(engine.params)
         assert all(np.array_equal(live[k], v1[k]) for k in v1)
         tokens, logps = _probe(engine, "after-cut")
         assert tokens == before[0] and np.array_equal(logps, before[1])
@@ -104,7 +104,7 @@ def test_cut_weight_stream_keeps_the_worker_on_its_last_complete_version(tmp_pat
         conn.send(3)
         conn.recv()
         _eventually(lambda: engine.version == 3)
-        live = flat_params(engine._params)
+        live = flat_params(engine.params)
         assert all(np.array_equal(live[k], v2[k]) for k in v2)
         assert not np.array_equal(_probe(engine, "v3")[1], before[1])
     finally:

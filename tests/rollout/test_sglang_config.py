@@ -154,13 +154,13 @@ def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
         workdir = str(tmp_path)
         tok = get_tokenizer(cfg.tokenizer)
         model = Decoder(resolve_model_config(cfg.model, tok.vocab_size), nnx.Rngs(0))
-        write_versioned_dir(weights_dir(cfg, workdir), 0, lambda d: save_pretrained(model, d))
+        v0 = write_versioned_dir(weights_dir(cfg, workdir), 0, lambda d: save_pretrained(model, d))
 
         engine = make_engine(cfg, "", 0, workdir)
         assert engine.engine_id == "sglang-0" and engine.version == -1
         worker = RolloutWorker(cfg, engine, get_task(cfg.task), tok, client, workdir=workdir)
         assert not worker.can_admit()  # no weights yet
-        worker.on_weights(0, {})  # the learner's notification: version 0 is on disk
+        worker.on_weights(0, v0)  # the learner's notification: version 0 is in v0
         deadline = 50
         while engine.version < 0 and deadline:
             deadline -= 1

@@ -6,7 +6,8 @@
 4 --token_file read whole instead of its first line
 5 a weight header claiming hundreds of GiB killing the subscriber thread (MemoryError)
 6 a weight chunk whose `data` arrives with another wire type killing it (TypeError)
-plus: RESOURCE_EXHAUSTED that is not backpressure, the standalone server's non-loopback bind.
+plus: RESOURCE_EXHAUSTED that is not backpressure, the standalone server's non-loopback bind,
+and (issue 24) a malformed directory publication's path.
 """
 import os
 import subprocess
@@ -299,6 +300,49 @@ def test_issue23_5_a_version_is_bounded_by_the_shapes_the_subscriber_expects():
         try:
             assert sub.wait_for_version(9, 15), sub.last_error
             assert applied == [9] and sub.versions_discarded == 2
+        finally:
+            sub.close()
+
+
+def _dir_version(version: int, path, tensors: bool = False) -> list:
+    """The frames of a directory publication: a header with `path`, one empty chunk, the
+    commit (with `tensors`: a real version's frames whose header also claims a path)."""
+    if tensors:
+        frames = good_frames(version, params_of(version), publisher_id="hostile")
+    else:
+        frames = good_frames(version, {"x": np.zeros(1, np.float32)}, publisher_id="hostile")
+        empty = pb.WeightHeader(version=version, publisher_id="hostile", total_bytes=0,
+                                num_chunks=1, has_crc32=True)
+        frames = [pb.WeightMessage(header=empty).SerializeToString(),
+                  pb.WeightMessage(chunk=pb.WeightChunk(version=version, index=0, offset=0,
+                                                        crc32=0)).SerializeToString(),
+                  pb.WeightMessage(commit=pb.WeightCommit(
+                      version=version, total_bytes=0, num_chunks=1)).SerializeToString()]
+    msg = pb.WeightMessage.FromString(frames[0])
+    if path is not None:
+        msg.header.path = path
+    return [msg.SerializeToString(), *frames[1:]]
+
+
+@pytest.mark.parametrize("hostile,why", [
+    ("relative", "not absolute"), ("nul", "NUL"), ("long", "characters"),
+    ("with_tensors", "a directory publication"), ("neither", "neither tensors nor a path")])
+def test_a_malformed_directory_publication_is_refused_with_its_reason(hostile, why):
+    """The path an 'hf_dir' version carries is checked at the transport boundary like every
+    other header field: refused with the reason, the subscriber thread lives on and applies
+    the next good version (a directory path handed over as a str)."""
+    path = {"relative": "weights/v00000007", "nul": "/w/v7\0/../etc",
+            "long": "/" + "x" * 5000, "with_tensors": "/w/v00000007", "neither": None}[hostile]
+    bad = _dir_version(7, path, tensors=hostile == "with_tensors")
+    good = _dir_version(8, "/shared/weights/v00000008")
+    applied = []
+    with ScriptedPublisher([bad, good], hold_open_s=5.0) as pub:
+        sub = WeightSubscriber(pub.address, lambda v, p, pv: applied.append((v, p)), retry=FAST)
+        try:
+            assert eventually(lambda: why in (sub.last_error or "")), sub.last_error
+            assert sub.wait_for_version(8, 15), sub.last_error
+            assert applied == [(8, "/shared/weights/v00000008")]
+            assert sub.versions_discarded >= 1 and sub.health()["alive"]
         finally:
             sub.close()
 

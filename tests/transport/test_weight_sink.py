@@ -23,8 +23,9 @@ class Received:
         self.calls = []
 
     def __call__(self, version, params, policy_version):
-        self.calls.append((version, {k: np.array(v) for k, v in params.items()},
-                           policy_version))
+        if not isinstance(params, str):  # a directory publication hands over its path
+            params = {k: np.array(v) for k, v in params.items()}
+        self.calls.append((version, params, policy_version))
 
 
 def _files(directory):
@@ -68,8 +69,10 @@ def test_hf_dir_sink_writes_what_save_pretrained_writes_and_announces_it(tmp_pat
     finally:
         sub.close()
         sink.close()
-    # notifications only: no tensors on the stream, the policy version in the header
-    assert [(v, p, pv) for v, p, pv in got.calls] == [(0, {}, 0), (1, {}, 0), (2, {}, 1)]
+    # What was published travels in the message: each version's directory (absolute), no
+    # tensors on the stream, the policy version in the header.
+    assert [(v, p, pv) for v, p, pv in got.calls] == [
+        (v, os.path.abspath(version_dir(sink.root, v)), pv) for v, pv in ((0, 0), (1, 0), (2, 1))]
     assert list_versions(sink.root) == [1, 2]  # keep_weight_versions
     # The directory is byte for byte what save_pretrained of the learner's model writes.
     ref = str(tmp_path / "ref")

@@ -275,3 +275,36 @@ def test_hand_framed_chunks_parse_like_protobuf():
     assert kind == "header" and header.version == 9 and len(header.tensors) == 2
     with pytest.raises(Exception):
         weights._parse_message(b"\x12\xff\xff")
+
+
+def test_a_directory_publication_carries_its_path_to_the_callback():
+    """What was published travels in the message: an 'hf_dir' version's header holds its
+    directory (no tensors) and the subscriber hands that path to on_weights; a subscriber
+    bounded by `expected_shapes` (an engine's parameters) accepts it, since the directory is
+    checked where it is loaded."""
+    got = []
+    with WeightPublisher() as pub:
+        sub = WeightSubscriber(pub.address, lambda v, p, pv: got.append((v, p, pv)),
+                               retry=FAST, expected_shapes={"embed": (1000, 3)})
+        pub.publish_dir(3, "/shared/weights/v00000003", policy_version=1)
+        assert sub.wait_for_version(3, 10), sub.last_error
+        pub.publish(4, {"embed": np.full((1000, 3), 4, np.float32)})
+        assert sub.wait_for_version(4, 10), sub.last_error
+        sub.close()
+    assert got[0] == (3, "/shared/weights/v00000003", 1)
+    assert got[1][0] == 4 and set(got[1][1]) == {"embed"} and got[1][2] == 4
+    header = pb.WeightMessage.FromString(next(weights._Version(
+        5, "p", {}, 4096, None, path="/w/v00000005").frames())).header
+    assert header.path == "/w/v00000005" and not header.tensors and header.total_bytes == 0
+
+
+@pytest.mark.parametrize("path,why", [("weights/v00000001", "not absolute"),
+                                      ("", "non-empty"), ("/w/a\0b", "NUL"),
+                                      ("/" + "x" * weights.MAX_PATH_CHARS, "characters")])
+def test_the_publisher_refuses_a_path_the_subscriber_would_refuse(path, why):
+    with WeightPublisher() as pub:
+        with pytest.raises(ValueError, match=why):
+            pub.publish_dir(1, path)
+        with pytest.raises(ValueError, match="no tensors"):
+            pub.publish(1, {})
+        assert pub.latest_version == -1
