@@ -9,6 +9,7 @@ import pytest
 from pipeline_testlib import make_init_checkpoint, read_jsonl, run_train
 
 from pipelinerl_jax.learner.checkpoint import committed_steps
+from pipelinerl_jax.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,14 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
         assert all(r["lag/mean"] == 0 and r["start_lag/mean"] == 0 for r in steps)
     # Every trained step carries the loss diagnostics, per lag bucket included.
     assert all("loss/ess" in r and "loss/lag_0/ess" in r for r in steps)
-    assert "eval/accuracy" in rows[0] and "eval/accuracy" in steps[-1]
+    # Held-out evaluation, by the evaluator role, of versions 0 and 4 (the last), merged into
+    # the learner's rows of those steps.
+    evals = read_jsonl(workdir / "eval.jsonl")
+    assert [(r["step"], r["version"]) for r in evals] == [(0, 0), (4, 4)]
+    merged = read_metrics(str(workdir))
+    assert "eval/accuracy" in merged[0] and "eval/accuracy" in merged[-1]
+    assert merged[-1]["step"] == 4 and "loss/ess" in merged[-1]
+    assert "eval/accuracy" not in rows[0]  # the learner's own file holds its own rows
     # The engine received the published versions, in order, up to the last one it needed.
     received = [r["version"] for r in read_jsonl(workdir / "weights_received.w0.jsonl")]
     assert received == sorted(received) and received[0] == 0
@@ -44,6 +52,7 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "committed_steps.json"]
     assert committed_steps(str(workdir / "checkpoints")) == [2, 4]
     assert glob.glob(str(workdir / "tb" / "events.out.tfevents.*"))
+    assert glob.glob(str(workdir / "tb" / "events.out.tfevents.*.evaluator"))
     assert (workdir / "reward.png").stat().st_size > 5000
     samples = read_jsonl(workdir / "samples.w0.jsonl")
     assert samples and all(s["finish_reason"] in ("stop", "length") for s in samples)
