@@ -63,29 +63,35 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
 
 
 def test_pipeline_with_sglang_samplers(tmp_path, init_ckpt):
-    """`sampler.kind=sglang`: two SGLang test-server processes sample; the learner writes HF
-    version directories and the servers are refit through /update_weights_from_disk."""
+    """`sampler.kind=sglang`: two SGLang test-server processes sample, a third serves the
+    evaluator; the learner writes HF version directories and the servers are refit through
+    /update_weights_from_disk."""
     from pipelinerl_jax.testing.sglang_process import ServerProcess
     shape = ('{"max_slots": 8, "max_seq_len": 32, "prefill_buckets": [32], '
              '"cache_buckets": [32], "max_prefill_batch": 2}')
     servers = [ServerProcess(["--model-path", init_ckpt, "--port", "0", "--weight-version",
-                              "0", "--engine", shape], wait_ready=False) for _ in range(2)]
+                              "0", "--engine", shape], wait_ready=False) for _ in range(3)]
     try:
         for s in servers:
             s.wait_ready()
-        urls = ",".join(f"'{s.url}'" for s in servers)
+        urls = ",".join(f"'{s.url}'" for s in servers[:2])
         workdir = tmp_path / "sglang"
         run_train(workdir, "--config.sampler.kind=sglang", f"--config.sglang.urls=({urls},)",
+                  f"--config.sglang.eval_urls=('{servers[2].url}',)",
                   f"--config.warm_start.checkpoint={init_ckpt}", "--config.max_lag=1",
-                  "--config.learner.total_steps=3", "--config.learner.eval_every=0",
+                  "--config.learner.total_steps=3", "--config.learner.eval_every=2",
                   "--config.learner.checkpoint_every=3")
         steps = [r for r in read_jsonl(workdir / "metrics.jsonl") if r["step"] > 0]
         assert [r["version"] for r in steps] == [1, 2, 3]
         assert all(r["lag/max"] <= 1 for r in steps)
         # Versions reached the servers through /update_weights_from_disk.
         versions = [s.call("GET", "/get_weight_version")["weight_version"] for s in servers]
-        assert all(int(v) >= 2 for v in versions), versions
+        assert all(int(v) >= 2 for v in versions[:2]), versions
         assert sorted(os.listdir(workdir / "weights"))[-1] == "v00000003"
+        # Held-out evaluation sampled on the evaluator's own server, which loaded versions
+        # 0, 2 and the last (3) from the learner's hand-over.
+        assert [r["version"] for r in read_jsonl(workdir / "eval.jsonl")] == [0, 2, 3]
+        assert int(versions[2]) == 3
     finally:
         for s in servers:
             s.kill()

@@ -36,7 +36,7 @@ def eval_view(cfg):
     view.engine.kv_budget_tokens = 0
     view.rollout.num_workers = 1
     if cfg.sampler.kind == "sglang":
-        view.sglang.urls = tuple(cfg.sglang.eval_urls)
+        view.sglang.urls, view.sglang.eval_urls = tuple(cfg.sglang.eval_urls), ()
     return view
 
 

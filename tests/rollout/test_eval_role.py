@@ -111,6 +111,8 @@ def test_eval_view_of_sglang_samples_on_the_eval_servers():
     cfg.sglang.eval_urls = ("http://127.0.0.1:30002",)
     view = eval_view(cfg)
     assert tuple(view.sglang.urls) == ("http://127.0.0.1:30002",)
+    from pipelinerl_jax.rollout.sglang_config import validate_sglang_config
+    validate_sglang_config(view.sglang, required=True, num_workers=1)  # as its engine checks
     assert view.rollout.num_workers == 1 and tuple(cfg.sglang.urls)[1].endswith("30001")
 
 
