@@ -15,6 +15,7 @@ learner's last version is evaluated; the launcher waits for it before it finishe
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Callable, Optional
 
@@ -70,7 +71,6 @@ def engine_evaluate(engine, evaluator) -> Callable[[str, int], dict]:
 def run_evaluator(cfg, workdir: str, init_checkpoint: str,
                   stop: Optional[threading.Event] = None) -> dict:
     """The role (module docstring); returns the versions it evaluated."""
-    import os
     from pipelinerl_jax.envs import build_task
     from pipelinerl_jax.metrics import MetricsWriter
     from pipelinerl_jax.rollout.eval_versions import eval_root
