@@ -97,8 +97,8 @@ EVAL_LOG = "eval.jsonl"  # the evaluator role's records (rollout/eval_role.py)
 def merge_evals(rows: List[dict], evals: Iterable[dict]) -> List[dict]:
     """`rows` (one per learner step) with each evaluation record's keys but `step` and
     `time_unix` merged into the newest row of its step (a row of its own when the learner
-    logged none, placed before the first row of a later step). A version evaluated twice (a learner restarted from an older
-    checkpoint trained it again): the later record wins."""
+    logged none, placed before the first row of a later step). A version evaluated twice (a
+    learner restarted from an older checkpoint trained it again): the later record wins."""
     out = [dict(r) for r in rows]
     newest = {}
     for i, r in enumerate(out):

@@ -15,8 +15,8 @@ through the `weight_sink` it is handed (`transport.weight_sink`: a stream of arr
 directories, the launcher chooses), the versions held-out evaluation measures go to the
 `evals` outbox it is handed (`rollout.eval_versions.EvalOutbox`; the evaluator role evaluates
 them in its own process, off the step), and under lag injection `lag_injection.LagInjector`
-says which version's params to ship. The loss says what it needs (its resolved aggregation, whether it
-uses the proximal policy). The state the loop changes is explicit: `Progress` (steps, version,
+says which version's params to ship. The loss says what it needs (its resolved aggregation,
+whether it uses the proximal policy). The state the loop changes is explicit: `Progress` (steps, version,
 trained batch ids: what a checkpoint commits) and the lag controller, whose limit travels to the
 publication thread with each version (`Shipper`) instead of being read from there. Each step's
 `metrics.jsonl` row is built by `step_record`.
@@ -37,9 +37,9 @@ to the queue, publishes weights and writes files, the others hold stand-ins that
 Publication overlaps the next step (`publication.py`): right after a step the params are
 snapshotted (an on-device copy the donated step cannot invalidate) and one background thread
 fetches them, announces the version to the queue and ships it, in version order, one at a
-time; the step after waits only if that publication is not finished by then. The same thread hands
-the versions due for evaluation (step 0, every `learner.eval_every` steps, the last) to the
-evaluator, the learner's own params even under lag injection; nothing waits for their
+time; the step after waits only if that publication is not finished by then. The same thread
+hands the versions due for evaluation (step 0, every `learner.eval_every` steps, the last) to
+the evaluator, the learner's own params even under lag injection; nothing waits for their
 evaluation. Under lag injection a checkpoint waits for the publication; the run ends after
 the last one.
 """

@@ -1,6 +1,6 @@
 """Roles on separate machines, rehearsed on loopback: the queue, a 2-process learner, two
-rollout workers and the evaluator started as separate commands (docs/multihost.md), each in its own process
-group, with a shared token and no launcher. A worker is killed and restarted by hand; the run
+rollout workers and the evaluator started as separate commands (docs/multihost.md), each in
+its own process group, with a shared token and no launcher. A worker is killed and restarted by hand; the run
 finishes and its audit trail shows every step trained once and no group trained twice."""
 import os
 import signal
