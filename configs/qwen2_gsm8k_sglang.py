@@ -1,10 +1,11 @@
 """Async pipeline RL on GSM8K with a Qwen2.5-0.5B-style checkpoint, sampled by SGLang servers.
 
 Needs GPU hosts with SGLang (`pip install "pipelinerl_jax[sglang]"`); see docs/sglang.md.
-Sampler host (4 GPUs, one server each, weights at the learner's version 0 layout):
+Sampler host (5 GPUs, one server each, weights at the learner's version 0 layout; four
+servers sample rollouts, the fifth serves the held-out evaluation):
 
     python scripts/launch_sglang.py --model-path /data/models/Qwen2.5-0.5B-Instruct \
-        --num-servers 4 --gpus-per-server 1 --base-port 30000 --weight-version 0
+        --num-servers 5 --gpus-per-server 1 --base-port 30000 --weight-version 0
 
 Learner host (8 devices, sharded learner), pointing at those servers:
 
@@ -13,10 +14,12 @@ Learner host (8 devices, sharded learner), pointing at those servers:
         --config.tokenizer.path=/data/models/Qwen2.5-0.5B-Instruct \
         --config.task.path=/data/gsm8k/train.jsonl --config.task.eval_path=/data/gsm8k/test.jsonl \
         --config.sglang.urls="('http://10.0.0.2:30000','http://10.0.0.2:30001',\
-'http://10.0.0.2:30002','http://10.0.0.2:30003')"
+'http://10.0.0.2:30002','http://10.0.0.2:30003')" \
+        --config.sglang.eval_urls="('http://10.0.0.2:30004',)"
 
 The learner writes every version to `sampler.weights_dir` (default WORKDIR/weights), which the
-SGLang servers read by path: it must be the same path on both hosts (a shared file system).
+SGLang servers read by path: it must be the same path on both hosts (a shared file system);
+so must the workdir, whose `eval_versions/` the evaluation server reads the same way.
 The argument after ':' picks the learner's mesh (data, fsdp, tensor) from MESH_PRESETS.
 """
 from pipelinerl_jax.run_config import base_config
@@ -53,6 +56,7 @@ def get_config(arg: str = "gpu8"):
     c.sampler.kind = "sglang"
     c.sampler.keep_weight_versions = 3  # a version is read by the servers right after it lands
     c.sglang.urls = tuple(f"http://127.0.0.1:{30000 + i}" for i in range(4))
+    c.sglang.eval_urls = ("http://127.0.0.1:30004",)  # the evaluator role's server
     c.sglang.concurrency_per_server = 128
     c.sglang.pause_mode = "retract"  # KV recomputed with the new weights on every refit
     c.sglang.on_abort = "resubmit"

@@ -44,10 +44,10 @@ def main(argv):
     compile_cache.enable()
     from pipelinerl_jax.learner import recording
     from pipelinerl_jax.learner.replay import run_replay
-    from pipelinerl_jax.rollout.evaluator import learner_evaluator
+    from pipelinerl_jax.rollout.evaluator import embedded_evaluator
     init = _INIT.value or recording.read_meta(
         recording.recording_dir(_RECORDING.value))["init_checkpoint"]
-    evaluate = learner_evaluator(cfg, init)
+    evaluate = embedded_evaluator(cfg, init)
     try:
         summary = run_replay(cfg, _RECORDING.value, _WORKDIR.value, init, evaluate=evaluate)
     except ConfigError as e:

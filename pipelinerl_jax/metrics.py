@@ -3,6 +3,11 @@
 `MetricsWriter.write(step, scalars)` appends one JSON object to `metrics.jsonl` (with the
 absolute time it was written, `time_unix`) and the same scalars to TensorBoard (`tb/`). Lists
 (e.g. response lengths) go to JSONL only, histograms of them to TensorBoard. See docs/metrics.md for the keys a run writes.
+
+Two processes write a run's metrics: the learner one row per step (`metrics.jsonl`), the
+evaluator role one row per evaluated version (`eval.jsonl`, `eval/*` at the version's step;
+both into `tb/`, each its own event file). `read_metrics(workdir)` is the run's metrics as
+one table: the learner's rows with the evaluations merged into the row of their step.
 """
 from __future__ import annotations
 
@@ -28,14 +33,19 @@ def _jsonable(v):
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True):
+    """`tb_suffix`: ends the TensorBoard event file's name, so that two processes writing
+    into one run's `tb/` (the learner, the evaluator) never pick the same file."""
+
+    def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
+                 tb_suffix: str = ""):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # optional until used
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10)
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10,
+                                     filename_suffix=tb_suffix)
 
     def write(self, step: int, scalars: Dict[str, object]) -> None:
         """Appends `{"step", "time_unix", **scalars}`; `time_unix` (seconds since the epoch,
@@ -81,13 +91,53 @@ def read_jsonl(path: str) -> List[dict]:
     return out
 
 
+EVAL_LOG = "eval.jsonl"  # the evaluator role's records (rollout/eval_role.py)
+
+
+def merge_evals(rows: List[dict], evals: Iterable[dict]) -> List[dict]:
+    """`rows` (one per learner step) with each evaluation record's keys but `step` and
+    `time_unix` merged into the newest row of its step (a row of its own when the learner
+    logged none, placed before the first row of a later step). A version evaluated twice (a
+    learner restarted from an older checkpoint trained it again): the later record wins."""
+    out = [dict(r) for r in rows]
+    newest = {}
+    for i, r in enumerate(out):
+        if isinstance(r.get("step"), int):
+            newest[r["step"]] = i
+    extra = []
+    for e in evals:
+        fields = {k: v for k, v in e.items() if k not in ("step", "time_unix")}
+        if e.get("step") in newest:
+            out[newest[e["step"]]].update(fields)
+        else:
+            extra.append(dict(e))
+    for e in extra:
+        later = [i for i, r in enumerate(out)
+                 if isinstance(r.get("step"), int) and r["step"] > e.get("step", 0)]
+        out.insert(later[0] if later else len(out), e)
+    return out
+
+
+def eval_on_learner_step(workdir: str) -> bool:
+    """Whether the run's held-out evaluation ran on the learner's step, so its `eval/time_s`
+    is inside the learner's `wall_time_s` (runs from before the evaluator role, which have no
+    `eval.jsonl`), rather than beside it."""
+    return not os.path.exists(os.path.join(workdir, EVAL_LOG))
+
+
+def read_metrics(workdir: str) -> List[dict]:
+    """The run's metrics as one table: `metrics.jsonl` with `eval.jsonl` merged in."""
+    return merge_evals(read_jsonl(os.path.join(workdir, "metrics.jsonl")),
+                       read_jsonl(os.path.join(workdir, EVAL_LOG)))
+
+
 def plot_reward(workdir: str, out: Optional[str] = None, title: str = "") -> str:
     """reward and accuracy (train and held-out eval) against wall-clock, as a PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # plots only
 
-    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = read_metrics(workdir)
     out = out or os.path.join(workdir, "reward.png")
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=100)
 

@@ -59,10 +59,12 @@ def warm_up(warm, steps, out, env):
 
 
 def summarise(workdir, target, params, peak_gflops):
-    rows = _read(os.path.join(workdir, "metrics.jsonl"))
+    from pipelinerl_jax.metrics import eval_on_learner_step, read_metrics
+    rows = read_metrics(workdir)  # the learner's rows, the evaluator's records merged in
+    blocking = eval_on_learner_step(workdir)  # older runs: evaluation inside wall_time_s
     eval_spent, points = 0.0, []
     for r in rows:
-        eval_spent += r.get("eval/time_s", 0.0)
+        eval_spent += r.get("eval/time_s", 0.0) if blocking else 0.0
         if "eval/accuracy" in r:
             points.append((r["wall_time_s"] - eval_spent, r["eval/accuracy"]))
     steps = [r for r in rows if r["step"] > 0]

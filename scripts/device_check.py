@@ -287,6 +287,20 @@ def train_overrides(mode: str, steps: int) -> list:
     return [f"--config.{k}={v}" for k, v in o.items()]
 
 
+def _jsonl(path: str) -> list:
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:  # a line cut short by a killed process
+                    pass
+    return rows
+
+
 def part_train(r: Runner, workdir: str, steps: int) -> dict:
     run_dir = os.path.join(workdir, "train")
     cmd = [sys.executable, "experiments/train.py", "--config=configs/default.py",
@@ -295,16 +309,7 @@ def part_train(r: Runner, workdir: str, steps: int) -> dict:
     out = {"status": res["status"], "time_s": res.get("time_s"), "steps_wanted": steps}
     if "error" in res:
         out["error"] = res["error"]
-    rows = []
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        for line in lines:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line cut short by a killed learner
-                pass
+    rows = _jsonl(os.path.join(run_dir, "metrics.jsonl"))
     train_rows = [x for x in rows if "learner/step_time_s" in x]
 
     def med(key):
@@ -312,7 +317,8 @@ def part_train(r: Runner, workdir: str, steps: int) -> dict:
                 if isinstance(x.get(key), (int, float))]
         return round(statistics.median(vals), 4) if vals else None
 
-    evals = [x["eval/accuracy"] for x in rows if "eval/accuracy" in x]
+    evals = [x["eval/accuracy"] for x in _jsonl(os.path.join(run_dir, "eval.jsonl"))
+             if "eval/accuracy" in x]  # the evaluator role's records, in version order
     out.update({"steps": max((x.get("step", 0) for x in train_rows), default=0),
                 "wall_time_s": round(train_rows[-1]["wall_time_s"], 1) if train_rows else None,
                 "step_time_s": med("learner/step_time_s"),

@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from pipelinerl_jax.ablation.results import Run, load_run, load_runs, summarize_run  # noqa: E402
+from pipelinerl_jax.metrics import eval_on_learner_step  # noqa: E402
 from pipelinerl_jax.sim.calibrate import calibrated_setup, embedded_cpu_base, read_run  # noqa: E402
 from pipelinerl_jax.sim.pipeline import simulate  # noqa: E402
 
@@ -106,10 +107,10 @@ def auto_target(groups: Dict[str, List[Run]]) -> float:
 
 def eval_free_time_to_target(run: Run, target: float) -> Optional[float]:
     """Wall-clock to the first evaluation at or above `target`, less every evaluation's
-    `eval/time_s` up to and including it."""
-    spent = 0.0
+    `eval/time_s` up to and including it when evaluations ran on the learner's step."""
+    spent, blocking = 0.0, eval_on_learner_step(run.path)
     for r in run.rows:
-        spent += float(r.get("eval/time_s") or 0.0)
+        spent += float(r.get("eval/time_s") or 0.0) if blocking else 0.0
         acc = r.get("eval/accuracy")
         if isinstance(acc, (int, float)) and acc >= target:
             return float(r["wall_time_s"]) - spent
@@ -122,7 +123,8 @@ def seconds_per_step(run: Run) -> Optional[float]:
     steps = int(last.get("step", 0))
     if steps <= 0:
         return None
-    evals = sum(float(r.get("eval/time_s") or 0.0) for r in run.rows)
+    evals = (sum(float(r.get("eval/time_s") or 0.0) for r in run.rows)
+             if eval_on_learner_step(run.path) else 0.0)
     return (float(last["wall_time_s"]) - evals) / steps
 
 

@@ -9,6 +9,7 @@ import pytest
 from pipeline_testlib import make_init_checkpoint, read_jsonl, run_train
 
 from pipelinerl_jax.learner.checkpoint import committed_steps
+from pipelinerl_jax.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,14 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
         assert all(r["lag/mean"] == 0 and r["start_lag/mean"] == 0 for r in steps)
     # Every trained step carries the loss diagnostics, per lag bucket included.
     assert all("loss/ess" in r and "loss/lag_0/ess" in r for r in steps)
-    assert "eval/accuracy" in rows[0] and "eval/accuracy" in steps[-1]
+    # Held-out evaluation, by the evaluator role, of versions 0 and 4 (the last), merged into
+    # the learner's rows of those steps.
+    evals = read_jsonl(workdir / "eval.jsonl")
+    assert [(r["step"], r["version"]) for r in evals] == [(0, 0), (4, 4)]
+    merged = read_metrics(str(workdir))
+    assert "eval/accuracy" in merged[0] and "eval/accuracy" in merged[-1]
+    assert merged[-1]["step"] == 4 and "loss/ess" in merged[-1]
+    assert "eval/accuracy" not in rows[0]  # the learner's own file holds its own rows
     # The engine received the published versions, in order, up to the last one it needed.
     received = [r["version"] for r in read_jsonl(workdir / "weights_received.w0.jsonl")]
     assert received == sorted(received) and received[0] == 0
@@ -44,6 +52,7 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "committed_steps.json"]
     assert committed_steps(str(workdir / "checkpoints")) == [2, 4]
     assert glob.glob(str(workdir / "tb" / "events.out.tfevents.*"))
+    assert glob.glob(str(workdir / "tb" / "events.out.tfevents.*.evaluator"))
     assert (workdir / "reward.png").stat().st_size > 5000
     samples = read_jsonl(workdir / "samples.w0.jsonl")
     assert samples and all(s["finish_reason"] in ("stop", "length") for s in samples)
@@ -54,29 +63,35 @@ def test_pipeline_runs_and_respects_max_lag(tmp_path, init_ckpt, mode, max_lag):
 
 
 def test_pipeline_with_sglang_samplers(tmp_path, init_ckpt):
-    """`sampler.kind=sglang`: two SGLang test-server processes sample; the learner writes HF
-    version directories and the servers are refit through /update_weights_from_disk."""
+    """`sampler.kind=sglang`: two SGLang test-server processes sample, a third serves the
+    evaluator; the learner writes HF version directories and the servers are refit through
+    /update_weights_from_disk."""
     from pipelinerl_jax.testing.sglang_process import ServerProcess
     shape = ('{"max_slots": 8, "max_seq_len": 32, "prefill_buckets": [32], '
              '"cache_buckets": [32], "max_prefill_batch": 2}')
     servers = [ServerProcess(["--model-path", init_ckpt, "--port", "0", "--weight-version",
-                              "0", "--engine", shape], wait_ready=False) for _ in range(2)]
+                              "0", "--engine", shape], wait_ready=False) for _ in range(3)]
     try:
         for s in servers:
             s.wait_ready()
-        urls = ",".join(f"'{s.url}'" for s in servers)
+        urls = ",".join(f"'{s.url}'" for s in servers[:2])
         workdir = tmp_path / "sglang"
         run_train(workdir, "--config.sampler.kind=sglang", f"--config.sglang.urls=({urls},)",
+                  f"--config.sglang.eval_urls=('{servers[2].url}',)",
                   f"--config.warm_start.checkpoint={init_ckpt}", "--config.max_lag=1",
-                  "--config.learner.total_steps=3", "--config.learner.eval_every=0",
+                  "--config.learner.total_steps=3", "--config.learner.eval_every=2",
                   "--config.learner.checkpoint_every=3")
         steps = [r for r in read_jsonl(workdir / "metrics.jsonl") if r["step"] > 0]
         assert [r["version"] for r in steps] == [1, 2, 3]
         assert all(r["lag/max"] <= 1 for r in steps)
         # Versions reached the servers through /update_weights_from_disk.
         versions = [s.call("GET", "/get_weight_version")["weight_version"] for s in servers]
-        assert all(int(v) >= 2 for v in versions), versions
+        assert all(int(v) >= 2 for v in versions[:2]), versions
         assert sorted(os.listdir(workdir / "weights"))[-1] == "v00000003"
+        # Held-out evaluation sampled on the evaluator's own server, which loaded versions
+        # 0, 2 and the last (3) from the learner's hand-over.
+        assert [r["version"] for r in read_jsonl(workdir / "eval.jsonl")] == [0, 2, 3]
+        assert int(versions[2]) == 3
     finally:
         for s in servers:
             s.kill()

@@ -129,7 +129,7 @@ _PROBE = ("import json, os, sys, ml_collections; from pipelinerl_jax.launch impo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role,devices", [("learner", 2), ("worker", 1)])
+@pytest.mark.parametrize("role,devices", [("learner", 2), ("worker", 1), ("evaluator", 1)])
 def test_a_child_started_with_its_role_env_sees_its_cpu_devices(tmp_path, monkeypatch, role,
                                                                 devices):
     monkeypatch.setenv("PYTHONPATH", ROOT)

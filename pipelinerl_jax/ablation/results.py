@@ -45,6 +45,7 @@ import numpy as np
 
 from pipelinerl_jax.ablation.stats import t_interval
 from pipelinerl_jax.lag_buckets import LAG_BUCKETS  # loss/lag_<bucket>/<name> columns
+from pipelinerl_jax.metrics import EVAL_LOG, merge_evals, read_jsonl
 
 # Config values every table carries (column -> dotted key in the experiment config).
 CONFIG_COLUMNS = {
@@ -75,7 +76,8 @@ class Run:
     labels: Dict[str, str]
     cell: str
     config: dict  # the experiment config (nested dict)
-    rows: List[dict]  # metrics.jsonl, one per step (the last record of a step wins)
+    rows: List[dict]  # metrics.jsonl, one per step (the last record of a step wins), with
+    # the evaluator's eval.jsonl merged in (metrics.merge_evals)
     status: str  # done | diverged | failed | partial | unknown
     # From committed tables: "response_lengths" {length: count}, "lag_hist" [tokens per lag]
     extras: dict = dataclasses.field(default_factory=dict)
@@ -190,7 +192,8 @@ def load_run(path: str) -> Run:
     if not by_step:
         raise RunError(f"{path}: metrics.jsonl has no step records"
                        + (f" ({bad} malformed lines)" if bad else ""))
-    rows = [by_step[s] for s in sorted(by_step)]
+    rows = merge_evals([by_step[s] for s in sorted(by_step)],
+                       read_jsonl(os.path.join(path, EVAL_LOG)))  # the evaluator's records
     status = "unknown"
     try:
         st = _read_json(os.path.join(path, "status.json"))
@@ -232,8 +235,8 @@ def find_run_dirs(roots: Iterable[str], max_depth: int = 3) -> Tuple[List[str], 
 # A folder of committed tables may carry the raw logs of a few runs in RAW_DIR/<run name>/
 # (`export_raw`): what the simulator calibrates from (occupancy_vs_sim), too big for every run.
 RAW_DIR = "raw"
-RAW_FILES = ("config.json", "spec.json", "status.json", "metrics.jsonl", "engine_stats.jsonl",
-             "samples*.jsonl")
+RAW_FILES = ("config.json", "spec.json", "status.json", "metrics.jsonl", "eval.jsonl",
+             "engine_stats.jsonl", "samples*.jsonl")
 
 
 def raw_dir(run: Run) -> Optional[str]:

@@ -3,8 +3,9 @@
 Started by the launcher, a role reads `DIR/config.json` and `DIR/init_checkpoint.txt`.
 Started on its own, on any machine (docs/multihost.md), it takes the config like train.py:
 
-    python -m pipelinerl_jax.launch --role=queue|learner|worker --workdir=DIR [--index=I] \\
-        --config=configs/default.py[:ARG] [--config.KEY=VALUE ...] [--init_checkpoint=MODEL]
+    python -m pipelinerl_jax.launch --role=queue|learner|worker|evaluator --workdir=DIR \\
+        [--index=I] --config=configs/default.py[:ARG] [--config.KEY=VALUE ...] \\
+        [--init_checkpoint=MODEL]
 
 (standalone.py: validated and resolved as the launcher would; fixed ports).
 """

@@ -1,22 +1,29 @@
-"""One run: queue server, rollout workers and learner as separate, supervised processes.
+"""One run: queue server, rollout workers, learner and evaluator as separate, supervised
+processes.
 
     launch(config, workdir)          # what experiments/train.py calls
 
 1. validate the config (before any process starts) and write `workdir/config.json`;
 2. warm start (warm_start.py): SFT on the task's demonstrations in a child process, unless a
    checkpoint is given or already in the workdir (`workdir/warm_start/model`);
-3. start the queue server, the learner and `rollout.num_workers` workers (roles.py) at once
-   (learner and workers wait for the queue), each pinned to its cores and given its own
-   accelerators in its environment (`resources.learner_devices` / `resources.sampler_devices`;
-   pipelinerl_jax/resources.py);
+3. start the queue server, the learner, `rollout.num_workers` workers and (unless
+   `learner.eval_every` is 0) the evaluator (roles.py) at once (learner and workers wait for
+   the queue), each pinned to its cores and given its own accelerators in its environment
+   (`resources.learner_devices` / `resources.sampler_devices`; pipelinerl_jax/resources.py;
+   the evaluator samples on worker 0's);
 4. watch them: show a progress bar fed by `metrics.jsonl` (progress.py); restart a child that
    dies, up to `launch.max_{worker,queue,learner}_restarts` times (a restarted queue comes
    back empty on the same address: clients reconnect, workers regenerate what it lost; a
    restarted learner resumes from its last committed checkpoint and the queue redelivers what
    it had not acknowledged); past that, stop everything and fail with the tail of the child's
    log; on Ctrl-C / SIGTERM stop the children cleanly. Every start and restart is a line of
-   `workdir/events.jsonl` (time, child, pid, exit code; supervisor.py);
-5. when the learner finishes, stop workers and queue, and plot reward vs wall-clock.
+   `workdir/events.jsonl` (time, child, pid, exit code; supervisor.py). The evaluator is
+   restarted like a worker (`launch.max_worker_restarts`); it resumes with the versions the
+   learner handed over that it had not evaluated;
+5. when the learner finishes, stop workers and queue, wait for the evaluator to evaluate the
+   learner's last version, and plot reward vs wall-clock; `summary.json` holds the first and
+   last held-out accuracy (`metrics.read_metrics`: the learner's rows with the evaluator's
+   records merged in).
 
 Every address is a config value (`transport.host`, ports; 0 = pick a free port), so the
 same roles run across hosts (docs/multihost.md). `launch.learner_processes=P` starts the
@@ -48,7 +55,8 @@ def _free_port(host: str) -> int:
 
 def launch(cfg, workdir: str, progress: bool = True) -> dict:
     """Runs a whole experiment; returns the learner's final metrics (see module docstring)."""
-    from pipelinerl_jax.metrics import plot_reward, read_jsonl  # numpy: roles pin cores first
+    from pipelinerl_jax.metrics import plot_reward, read_metrics  # numpy: roles pin first
+    from pipelinerl_jax.rollout.eval_versions import clear_final, eval_root
 
     run_config.validate(cfg)
     cfg = run_config.resolve(cfg)
@@ -89,6 +97,12 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
         workers = [roles.child("worker", workdir, i, env=child_env(cfg, "worker", i)).start()
                    for i in range(cfg.rollout.num_workers)]
         children += [learner] + workers
+        evaluator = None
+        if cfg.learner.eval_every > 0:
+            clear_final(eval_root(workdir))  # an earlier run's end is not this one's
+            evaluator = roles.child("evaluator", workdir,
+                                    env=child_env(cfg, "evaluator")).start()
+            children.append(evaluator)
         _wait_queue(cfg, queue)
         monitor = Monitor(workdir, cfg.learner.total_steps) if progress else None
         while True:
@@ -106,10 +120,24 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
             if code is not None:  # same address; it comes back empty
                 queue.restart(code, cfg.launch.max_queue_restarts)
                 _wait_queue(cfg, queue)
-            for w in workers:
+            for w in workers + ([evaluator] if evaluator is not None else []):
                 code = w.poll()
-                if code is not None:
+                if code is not None and not (w is evaluator and code == 0):
                     w.restart(code, cfg.launch.max_worker_restarts)
+        # Sampling is over; the evaluator finishes the versions it was handed, the last one
+        # included, with the machine to itself.
+        stop_all(workers + [queue], cfg.launch.shutdown_timeout_s)
+        while evaluator is not None:
+            if stopping.is_set():
+                raise KeyboardInterrupt
+            if monitor is not None:
+                monitor.update()
+            code = evaluator.poll(timeout=0.5)
+            if code == 0:
+                evaluator.exited(code)
+                break
+            if code is not None:
+                evaluator.restart(code, cfg.launch.max_worker_restarts)
         if monitor is not None:
             monitor.close()
     except KeyboardInterrupt:
@@ -124,7 +152,7 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
             signal.signal(s, h)
     stop_all(children, cfg.launch.shutdown_timeout_s)
     plot = plot_reward(workdir)
-    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    rows = read_metrics(workdir)
     final = {k: v for k, v in (rows[-1] if rows else {}).items() if not isinstance(v, list)}
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
     summary = {"workdir": workdir, "plot": plot, "steps": final.get("step", 0),
@@ -137,9 +165,20 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
 
 
 def child_env(cfg, role: str, index: int = 0) -> dict:
-    """This process's environment plus the accelerators of `role` (resources.role_env)."""
-    return resources.role_env(cfg.resources, role, index, num_workers=cfg.rollout.num_workers,
-                              sampler_kind=cfg.sampler.kind, base=os.environ)
+    """This process's environment plus the accelerators of `role` (resources.role_env). The
+    evaluator gets worker 0's (roles.placed_as); on a GPU it shares with that worker it does
+    not preallocate memory, and a TPU chip, which one process only can open, leaves it on
+    the CPU."""
+    place_role, place_index = roles.placed_as(role, index)
+    env = resources.role_env(cfg.resources, place_role, place_index,
+                             num_workers=cfg.rollout.num_workers,
+                             sampler_kind=cfg.sampler.kind, base=os.environ)
+    if role == "evaluator" and env != dict(os.environ):
+        if cfg.resources.platform == "gpu" and "CUDA_VISIBLE_DEVICES" in env:
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        elif cfg.resources.platform == "tpu" and "TPU_VISIBLE_CHIPS" in env:
+            env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return env
 
 
 def _wait_queue(cfg, queue: Child) -> None:

@@ -1,6 +1,7 @@
 """Progress bars over the files a run writes (the processes write them; we only read).
 
-`Monitor`: RL steps from `metrics.jsonl` with reward, held-out accuracy, lag and occupancy.
+`Monitor`: RL steps from `metrics.jsonl` with reward, lag and occupancy, and the held-out
+accuracy from `eval.jsonl`.
 `SftProgress`: warm-start steps from `warm_start/sft_metrics.jsonl` with the loss.
 """
 from __future__ import annotations
@@ -12,30 +13,46 @@ from typing import Dict
 from tqdm import tqdm
 
 
-class Monitor:
-    """Progress bar over `metrics.jsonl` (the learner writes it; we only read)."""
+class _Tail:
+    """The complete lines appended to a JSONL file since the last call."""
 
-    def __init__(self, workdir: str, total: int):
-        self.path = os.path.join(workdir, "metrics.jsonl")
-        self.bar = tqdm(total=total, desc="RL", unit="step", dynamic_ncols=True)
-        self._pos = 0
-        self.last: Dict = {}
+    def __init__(self, path: str):
+        self.path, self._pos = path, 0
 
-    def update(self) -> None:
+    def rows(self):
         if not os.path.exists(self.path):
-            return
+            return []
         with open(self.path) as f:
             f.seek(self._pos)
             chunk = f.read()
         lines = chunk.split("\n")
         self._pos += len(chunk) - len(lines[-1])
-        changed = False
+        out = []
         for line in lines[:-1]:
             try:
-                row = json.loads(line)
+                out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
+        return out
+
+
+class Monitor:
+    """Progress bar over `metrics.jsonl` (the learner writes it) and `eval.jsonl` (the
+    evaluator's held-out accuracy); we only read."""
+
+    def __init__(self, workdir: str, total: int):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.bar = tqdm(total=total, desc="RL", unit="step", dynamic_ncols=True)
+        self._steps, self._evals = _Tail(self.path), _Tail(os.path.join(workdir, "eval.jsonl"))
+        self.last: Dict = {}
+
+    def update(self) -> None:
+        changed = False
+        for row in self._steps.rows():
             self.last.update({k: v for k, v in row.items() if not isinstance(v, list)})
+            changed = True
+        for row in self._evals.rows():  # an evaluation trails the learner's step
+            self.last.update({k: v for k, v in row.items() if k.startswith("eval/")})
             changed = True
         if changed:
             self.bar.n = self.last.get("step", 0)

@@ -1,4 +1,4 @@
-"""The child roles: queue server, learner, rollout worker and the SFT warm start.
+"""The child roles: queue server, learner, rollout worker, evaluator and the SFT warm start.
 
     python -m pipelinerl_jax.launch --role=worker --workdir=DIR [--index=I]
 
@@ -7,7 +7,9 @@ given its config instead, see __main__.py and standalone.py), pins itself to its
 (`resources.*`, pipelinerl_jax/resources.py) before JAX is imported, so XLA sizes its thread
 pool to them, and stops cleanly on SIGTERM. Its accelerators come in its environment (the
 launcher's `resources.role_env`: visible GPUs or TPU chips, a CPU device count). The SFT
-role's DIR is the warm-start directory (`RUN/warm_start`); it writes `DIR/model`. A learner
+role's DIR is the warm-start directory (`RUN/warm_start`); it writes `DIR/model`. The
+evaluator (rollout/eval_role.py) evaluates the versions the learner hands it, on worker 0's
+cores and devices, and ends once the learner's last version is evaluated. A learner
 that stops on an exception leaves a `learner_stopped` record
 in `DIR/events.jsonl` first (outcome.py). Hence the imports inside functions here: nothing
 heavy may load before the pinning.
@@ -25,9 +27,9 @@ from pipelinerl_jax.launch.outcome import record_learner_stopped
 from pipelinerl_jax.launch.supervisor import Child, LaunchError
 from pipelinerl_jax.resources import role_cores
 
-ROLES = ("queue", "learner", "worker", "sft")
+ROLES = ("queue", "learner", "worker", "evaluator", "sft")
 # stop_all: producers first, then the learner (it checkpoints on SIGTERM), then the queue.
-STOP_RANK = {"worker": 0, "sft": 0, "learner": 1, "queue": 2}
+STOP_RANK = {"worker": 0, "evaluator": 0, "sft": 0, "learner": 1, "queue": 2}
 
 
 # ============================================================================ parent side
@@ -65,7 +67,7 @@ def pin(cfg, role: str, index: int = 0) -> List[int]:
     if not hasattr(os, "sched_setaffinity"):
         return []
     have = os.sched_getaffinity(0)
-    cores = [c for c in role_cores(cfg.resources, role, index,
+    cores = [c for c in role_cores(cfg.resources, *placed_as(role, index),
                                    num_workers=cfg.rollout.num_workers,
                                    sampler_kind=cfg.sampler.kind) if c in have]
     if cores:
@@ -109,28 +111,48 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
         from pipelinerl_jax.learner import multihost
         multihost.initialize(cfg.launch.get("learner_processes", 1))
         from pipelinerl_jax.learner.loop import learner_batches, run_learner
-        from pipelinerl_jax.rollout.evaluator import learner_evaluator
         from pipelinerl_jax.rollout.factory import backend
         from pipelinerl_jax.transport.weight_sink import NullSink, make_weight_sink
-        # Process 0 publishes and evaluates (on its own devices); the others hold stand-ins.
+        # Process 0 publishes and hands versions to the evaluator; the others hold stand-ins.
         sink = multihost.primary_or(lambda: make_weight_sink(
             backend(cfg.sampler.kind).weight_sink, cfg, workdir, init_checkpoint=init_ckpt),
             NullSink())
-        evaluate = multihost.primary_or(lambda: learner_evaluator(cfg, init_ckpt), None)
+        evals = multihost.primary_or(lambda: eval_outbox(cfg, workdir, init_ckpt), None)
         batches = learner_batches(cfg)
         try:
             out = run_learner(cfg, workdir, init_ckpt, stop_event=stop, batches=batches,
-                              weight_sink=sink, evaluate=evaluate)
+                              weight_sink=sink, evals=evals)
         finally:
             batches.close()
             sink.close()
-            if evaluate is not None:
-                evaluate.close()
         print(json.dumps(out), flush=True)
+        return 0
+    if role == "evaluator":
+        from pipelinerl_jax.rollout.eval_role import run_evaluator
+        print(json.dumps(run_evaluator(cfg, workdir, init_ckpt, stop)), flush=True)
         return 0
     if role == "worker":
         return _run_worker(cfg, workdir, index, init_ckpt, stop)
     raise LaunchError(f"unknown role {role!r}")
+
+
+def placed_as(role: str, index: int):
+    """(role, index) whose cores and devices `role` gets: the evaluator samples where the
+    rollout workers do, on worker 0's."""
+    return ("worker", 0) if role == "evaluator" else (role, index)
+
+
+def eval_outbox(cfg, workdir: str, init_ckpt: str):
+    """The learner's hand-over to the evaluator role (None when `learner.eval_every` is 0):
+    versions due are saved as HF directories shaped like `init_ckpt`, in the learner's
+    dtypes."""
+    if cfg.learner.eval_every <= 0:
+        return None
+    from pipelinerl_jax.rollout.eval_versions import EvalOutbox, eval_root
+    from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
+    return EvalOutbox(eval_root(workdir), hf_checkpoint_writer(init_ckpt, cfg.model.dtype,
+                                                               cfg.model.param_dtype),
+                      cfg.learner.eval_every, cfg.learner.total_steps)
 
 
 def sft_evaluator(cfg):
@@ -143,7 +165,7 @@ def sft_evaluator(cfg):
         from pipelinerl_jax.rollout.evaluator import Evaluator
         from pipelinerl_jax.models import flat_params
         from pipelinerl_jax.tokenizers import get_tokenizer
-        ev = Evaluator(cfg, model, build_task(cfg), get_tokenizer(cfg.tokenizer))
+        ev = Evaluator.embedded(cfg, model, build_task(cfg), get_tokenizer(cfg.tokenizer))
         try:
             return ev(flat_params(model), 0)
         finally:

@@ -12,10 +12,11 @@ the loop, the end. One learner step:
 The learner is handed its parts and knows no engine: batches come from the `batches` source
 it is handed (the queue client on process 0, a stand-in elsewhere or in a test), weights leave
 through the `weight_sink` it is handed (`transport.weight_sink`: a stream of arrays or HF
-directories, the launcher chooses), held-out evaluation is the `evaluate(params_flat,
-version)` callable it is handed, and under lag injection `lag_injection.LagInjector` says which
-version's params to ship. The loss says what it needs (its resolved aggregation, whether it
-uses the proximal policy). The state the loop changes is explicit: `Progress` (steps, version,
+directories, the launcher chooses), the versions held-out evaluation measures go to the
+`evals` outbox it is handed (`rollout.eval_versions.EvalOutbox`; the evaluator role evaluates
+them in its own process, off the step), and under lag injection `lag_injection.LagInjector`
+says which version's params to ship. The loss says what it needs (its resolved aggregation,
+whether it uses the proximal policy). The state the loop changes is explicit: `Progress` (steps, version,
 trained batch ids: what a checkpoint commits) and the lag controller, whose limit travels to the
 publication thread with each version (`Shipper`) instead of being read from there. Each step's
 `metrics.jsonl` row is built by `step_record`.
@@ -36,8 +37,11 @@ to the queue, publishes weights and writes files, the others hold stand-ins that
 Publication overlaps the next step (`publication.py`): right after a step the params are
 snapshotted (an on-device copy the donated step cannot invalidate) and one background thread
 fetches them, announces the version to the queue and ships it, in version order, one at a
-time; the step after waits only if that publication is not finished by then. Evaluation and
-(under lag injection) a checkpoint wait for it; the run ends after the last one.
+time; the step after waits only if that publication is not finished by then. The same thread
+hands the versions due for evaluation (step 0, every `learner.eval_every` steps, the last) to
+the evaluator, the learner's own params even under lag injection; nothing waits for their
+evaluation. Under lag injection a checkpoint waits for the publication; the run ends after
+the last one.
 """
 from __future__ import annotations
 
@@ -209,10 +213,14 @@ class Shipper:
     arrives with each version (taken when the version was trained, so the main thread's
     controller may move on meanwhile), and the lag injector's history is written only here;
     the main thread reads it only after `Publication.result()`, which orders that read after
-    the last ship."""
+    the last ship.
 
-    def __init__(self, queue: BatchSource, sink, injector: Optional[LagInjector] = None):
-        self.queue, self.sink, self.injector = queue, sink, injector
+    `evals`: an `EvalOutbox` (or None) that receives the learner's own params of each version,
+    after its delivery; it writes the versions due for evaluation."""
+
+    def __init__(self, queue: BatchSource, sink, injector: Optional[LagInjector] = None,
+                 evals=None):
+        self.queue, self.sink, self.injector, self.evals = queue, sink, injector, evals
 
     def __call__(self, version: int, host, announce: Mapping) -> Dict[str, np.ndarray]:
         flat = flat_params(host)
@@ -225,6 +233,8 @@ class Shipper:
         else:  # version - k's params, with their policy version in the header
             policy_version, params = self.injector.ship(version, host)
             self.sink.publish(version, flat_params(params), policy_version)
+        if self.evals is not None:
+            self.evals.put(version, flat)
         return flat
 
 
@@ -284,16 +294,17 @@ def step_record(*, version: int, wall_time_s: float, step_s: float, wait_s: floa
 
 
 def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
-                batches: BatchSource, weight_sink,
-                evaluate: Optional[Callable[[dict, int], dict]] = None,
+                batches: BatchSource, weight_sink, evals=None,
                 clock: Callable[[], float] = time.time) -> dict:
     """Trains `learner.total_steps` steps from `init_checkpoint` (or the workdir's latest
-    checkpoint); returns the final step, version and last evaluation.
+    checkpoint); returns the final step and version.
 
     `batches`: the `BatchSource` batches come from and versions and acks go to.
     `weight_sink`: a `transport.weight_sink.WeightSink` every version goes out through.
-    The caller builds and closes both. `evaluate(params_flat, version) -> metrics`, or None:
-    held-out evaluation every `learner.eval_every` steps, at step 0 and at the end.
+    The caller builds and closes both. `evals`: a `rollout.eval_versions.EvalOutbox`, or None
+    (no held-out evaluation, or not this process's job): the versions due for evaluation
+    (step 0, every `learner.eval_every` steps, the last) go there; the evaluator role writes
+    their `eval/*` records (`eval.jsonl`, merged by `metrics.read_metrics`).
     `clock`: seconds, for the durations and wall time the metrics report.
     """
     L = cfg.learner
@@ -331,15 +342,14 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     acks = BatchAcks(batches, ckpt)
     lag_ctl = LagController.from_config(cfg)  # the allowed lag: fixed, or closed-loop
     recorder = recording.recorder(cfg, workdir, init_checkpoint)  # learner.record_batches
-    publication = Publication(Shipper(batches, weight_sink, injector))
+    publication = Publication(Shipper(batches, weight_sink, injector, evals))
     publication.submit(progress.version, state.params, lag_ctl.announce())
-    params_flat = publication.result()
+    publication.result()
     t0 = clock() - progress.wall_offset_s
 
-    consecutive_skips, last = 0, {}
-    if evaluate is not None and progress.step == 0:
-        last = evaluate(params_flat, progress.version)
-        files.metrics(0, {"version": progress.version, "wall_time_s": clock() - t0, **last})
+    consecutive_skips = 0
+    if evals is not None and progress.step == 0:  # the row version 0's evaluation joins
+        files.metrics(0, {"version": progress.version, "wall_time_s": clock() - t0})
 
     # ------------------------------------------------------------------ loop
     # The wait for a batch runs from the end of the previous step's work to the arrival of the
@@ -386,9 +396,6 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                 metrics=metrics, control=control)
             if recorder is not None:  # the exact arrays just trained on, for replay
                 recorder.record(step, version - 1, batch.batch_id, rollouts, packed.arrays, record)
-            if evaluate is not None and (step % L.eval_every == 0 or step == L.total_steps):
-                last = evaluate(publication.result(), version)
-                record.update(last)
             files.metrics(step, record)
             if step % L.checkpoint_every == 0 or step == L.total_steps:
                 save_checkpoint(acks, progress, state, clock() - t0, publication, injector)
@@ -408,10 +415,12 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
 
     # ------------------------------------------------------------------ end
     publication.close()  # the last version is out before the run reports done
+    if evals is not None:  # the last version is evaluated even when not due (stopped early)
+        evals.finish(progress.version, publication.result())
     if acks.unacked:
         save_checkpoint(acks, progress, state, clock() - t0, publication, injector)
     acks.finish()
     ckpt.close()
     files.close()
     files.done({"step": progress.step, "version": progress.version})
-    return {"step": progress.step, "version": progress.version, **last}
+    return {"step": progress.step, "version": progress.version}

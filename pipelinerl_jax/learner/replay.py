@@ -20,7 +20,8 @@ behaviour log-probs.
 `metrics.jsonl` has the keys of a normal run where they mean something: `loss/*` and
 `learner/*` of the replayed step, the recorded batch's data metrics (`reward/mean`, `lag/*`,
 `rollout/*`, ...) copied from the recording, and `eval/*` every `learner.eval_every` steps
-from the same evaluator a launched learner uses.
+from the greedy evaluation a run's evaluator role does (here in-process: the `evaluate`
+callable, `rollout.evaluator.embedded_evaluator`).
 """
 from __future__ import annotations
 

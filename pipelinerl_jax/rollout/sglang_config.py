@@ -20,6 +20,9 @@ def sglang_config() -> ml_collections.ConfigDict:
     """Defaults of the `sglang` config section (validated by `validate_sglang_config`)."""
     c = ml_collections.ConfigDict()
     c.urls = ()  # 'http://host:port' of every server; split among rollout workers
+    # The evaluator role's own servers (held-out evaluation, learner.eval_every > 0): an
+    # evaluation samples one version greedily, apart from the workers' refits.
+    c.eval_urls = ()
     # The context the servers were launched with (--context-length): requests are bounded by
     # it. In a run config None = model.max_seq_len (run_config.resolve).
     c.max_seq_len = config_dict.placeholder(int)
@@ -47,17 +50,23 @@ def validate_sglang_config(cfg, prefix: str = "sglang", *, required: bool = Fals
     for part in reversed(prefix.split(".") if prefix else []):
         root = {part: root}
     cfg_lib.check_keys(cfg, prefix, sglang_config().keys())
+    for name in ("urls", "eval_urls"):
+        urls = cfg[name] if name in cfg else ()
+        if isinstance(urls, str) or not isinstance(urls, (tuple, list)):
+            raise cfg_lib.ConfigError(k(name), f"must be a tuple of 'http://host:port' "
+                                               f"strings, got {urls!r}")
+        for u in urls:
+            try:
+                parse_url(u)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise cfg_lib.ConfigError(k(name), str(e)) from None
+        if len(set(urls)) != len(urls):
+            raise cfg_lib.ConfigError(k(name), f"lists a server twice: {tuple(urls)}")
     urls = cfg["urls"]
-    if isinstance(urls, str) or not isinstance(urls, (tuple, list)):
-        raise cfg_lib.ConfigError(k("urls"), f"must be a tuple of 'http://host:port' strings, "
-                                             f"got {urls!r}")
-    for u in urls:
-        try:
-            parse_url(u)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise cfg_lib.ConfigError(k("urls"), str(e)) from None
-    if len(set(urls)) != len(urls):
-        raise cfg_lib.ConfigError(k("urls"), f"lists a server twice: {tuple(urls)}")
+    shared = set(urls) & set(cfg["eval_urls"] if "eval_urls" in cfg else ())
+    if shared:
+        raise cfg_lib.ConfigError(k("eval_urls"), f"{sorted(shared)} also in {k('urls')}: the "
+                                                  "evaluator needs servers of its own")
     if required and len(urls) < num_workers:
         raise cfg_lib.ConfigError(k("urls"), f"{len(urls)} server(s) for {num_workers} rollout "
                                              "worker(s) (sampler.kind='sglang'): each worker "
@@ -82,3 +91,9 @@ def validate_run_config(cfg, selected: bool) -> None:
     every rollout worker needs a server of its own."""
     validate_sglang_config(cfg.sglang, "sglang", required=selected,
                            num_workers=cfg.rollout.num_workers)
+    every = cfg.learner.eval_every
+    if selected and isinstance(every, int) and every > 0 and not cfg.sglang.eval_urls:
+        raise cfg_lib.ConfigError("sglang.eval_urls", "held-out evaluation "
+                                  f"(learner.eval_every={cfg.learner.eval_every}) samples on "
+                                  "SGLang servers of its own: list them here, or set "
+                                  "learner.eval_every=0")

@@ -16,6 +16,7 @@ from pipelinerl_jax.envs import ModelTurn, build_task
 from pipelinerl_jax.envs.calculator import CalculatorEnv
 from pipelinerl_jax.learner import loop as learner_loop
 from pipelinerl_jax.learner.sft import run_sft
+from pipelinerl_jax.metrics import read_metrics
 from pipelinerl_jax.rollout.jax_engine import make_jax_engine
 from pipelinerl_jax.rollout.worker import RolloutWorker
 from pipelinerl_jax.tokenizers import get_tokenizer
@@ -152,7 +153,7 @@ def test_agent_kv_quick_config_runs_through_the_launcher(tmp_path):
     def rows(name):
         with open(workdir / name) as f:
             return [json.loads(line) for line in f if line.strip()]
-    metrics = rows("metrics.jsonl")
+    metrics = read_metrics(str(workdir))  # the evaluator's records merged in
     assert "eval/accuracy" in metrics[0] and "eval/turns_mean" in metrics[0]
     steps = [r for r in metrics if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2]

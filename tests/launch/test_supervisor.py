@@ -90,6 +90,7 @@ def test_role_children_log_in_the_workdir_and_stop_in_role_order(tmp_path):
     assert w.cmd[-3:] == ["--role=worker", f"--workdir={tmp_path}", "--index=1"]
     ranks = {r: roles.child(r, str(tmp_path)).stop_rank for r in roles.ROLES}
     assert ranks["worker"] == ranks["sft"] < ranks["learner"] < ranks["queue"]
+    assert ranks["evaluator"] == ranks["worker"]  # stopped before what it reads from
 
 
 def test_a_learner_that_gives_up_on_non_finite_steps_leaves_a_diverged_record(

@@ -1,6 +1,6 @@
-"""Roles on separate machines, rehearsed on loopback: the queue, a 2-process learner and two
-rollout workers started as separate commands (docs/multihost.md), each in its own process
-group, with a shared token and no launcher. A worker is killed and restarted by hand; the run
+"""Roles on separate machines, rehearsed on loopback: the queue, a 2-process learner, two
+rollout workers and the evaluator started as separate commands (docs/multihost.md), each in
+its own process group, with a shared token and no launcher. A worker is killed and restarted by hand; the run
 finishes and its audit trail shows every step trained once and no group trained twice."""
 import os
 import signal
@@ -50,6 +50,7 @@ def test_queue_learner_and_workers_started_by_hand(tmp_path):
                   env={"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_PROCESS_ID": str(i)})
         for i in range(2):
             start(f"worker{i}", "worker", f"--index={i}", f"--init_checkpoint={init}")
+        start("evaluator", "evaluator", f"--init_checkpoint={init}")
 
         metrics = workdir / "metrics.jsonl"
 
@@ -73,6 +74,9 @@ def test_queue_learner_and_workers_started_by_hand(tmp_path):
         for i in range(2):
             assert procs[f"learner{i}"].wait(timeout=600) == 0, \
                 (logs / f"learner{i}.log").read_text()[-3000:]
+        # The evaluator ends by itself once the learner's last version is evaluated.
+        assert procs["evaluator"].wait(timeout=600) == 0, \
+            (logs / "evaluator.log").read_text()[-3000:]
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -85,7 +89,8 @@ def test_queue_learner_and_workers_started_by_hand(tmp_path):
 
     rows = read_jsonl(metrics)
     assert max(r["step"] for r in rows) == STEPS
-    assert any("eval/accuracy" in r for r in rows)  # the primary evaluated
+    # The primary handed versions 0, 3 and 6 over; the evaluator evaluated each.
+    assert [r["version"] for r in read_jsonl(workdir / "eval.jsonl")] == [0, 3, 6]
     batches = read_jsonl(workdir / "batches.jsonl")
     trained = [b for b in batches if b["action"] == "trained"]
     assert [b["step"] for b in trained] == list(range(1, STEPS + 1))  # each step once
@@ -96,6 +101,6 @@ def test_queue_learner_and_workers_started_by_hand(tmp_path):
     assert {g.split("-")[0] for g in groups} == {"w0", "w1"}
     # One voice: one learner process wrote the files, each role its own resolved config.
     assert len({b["pid"] for b in batches}) == 1
-    for name in ("queue", "learner0", "learner1", "worker0", "worker1"):
+    for name in ("queue", "learner0", "learner1", "worker0", "worker1", "evaluator"):
         assert (workdir / f"config.{name}.json").exists()
     assert TOKEN not in "".join((logs / f).read_text() for f in os.listdir(logs))

@@ -54,6 +54,9 @@ def test_experiment_validates_the_section():
     with pytest.raises(ConfigError, match=r"sglang\.urls: 1 server\(s\) for 2"):
         validate(cfg)
     cfg.sglang.urls = ("http://10.0.0.2:30000", "http://10.0.0.2:30001")
+    with pytest.raises(ConfigError, match=r"sglang\.eval_urls: held-out evaluation"):
+        validate(cfg)  # the evaluator samples on servers of its own
+    cfg.sglang.eval_urls = ("http://10.0.0.2:30002",)
     validate(cfg)
     cfg.sglang.typo = 1
     with pytest.raises(ConfigError, match="sglang.typo: unknown key"):
@@ -149,6 +152,7 @@ def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
         cfg.model.max_seq_len = 32
         cfg.rollout.group_size = 2
         cfg.learner.batch_groups = 2
+        cfg.learner.eval_every = 0  # a worker only: no evaluator servers
         validate(cfg)
         cfg = resolve(cfg)
         workdir = str(tmp_path)
