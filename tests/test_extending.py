@@ -1,6 +1,7 @@
-"""docs/extending.md runs as printed: a new loss and a new environment are each their module
+"""docs/extending.md runs as printed: a new loss, environment and backend are each their module
 plus one registry entry, and then work through the real code paths (the jitted train step,
-run-config validation, the episode runner) with nothing else changed."""
+run-config validation, the episode runner, a rollout worker over a real queue) with nothing
+else changed."""
 import dataclasses
 import importlib
 import itertools
@@ -14,7 +15,7 @@ import pytest
 
 from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import envs, run_config
-from pipelinerl_jax.tokenizers import CharTokenizer
+from pipelinerl_jax.tokenizers import CharTokenizer, get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,10 +55,11 @@ def _register(target, module, monkeypatch):
 
 def test_every_block_of_the_page_is_run_here():
     text, blocks = _blocks("extending.md")
-    assert text.count("```python") == len(blocks) == 4
+    assert text.count("```python") == len(blocks) == 6
     assert {(k, n) for k, n, _ in blocks} == {
         ("module", "topr"), ("registry", "pipelinerl_jax.losses.registry:LOSSES"),
-        ("module", "reverse_tool"), ("registry", "pipelinerl_jax.envs:REGISTRY")}
+        ("module", "reverse_tool"), ("registry", "pipelinerl_jax.envs:REGISTRY"),
+        ("module", "echo_backend"), ("registry", "pipelinerl_jax.rollout.factory:BACKENDS")}
 
 
 @pytest.fixture
@@ -154,3 +156,65 @@ def test_a_new_environment_runs_episodes_through_the_runner(reverse_tool):
     group = envs.run_group(runner, problems[0], 3)
     assert group.ok and group.rewards.tolist() == [1.0, 1.0, 1.0]
     assert all(len(e.turns) == 2 for e in group.episodes)
+
+
+@pytest.fixture
+def echo_backend(tmp_path, monkeypatch):
+    module = _module("echo_backend", _block("module", "echo_backend"), tmp_path, monkeypatch)
+    _register("pipelinerl_jax.rollout.factory:BACKENDS", module, monkeypatch)
+    return module
+
+
+def test_a_new_backend_is_a_sampler_kind_the_worker_drives(echo_backend, tmp_path):
+    """The row gives the run config an `echo` section, checked before start; the factory
+    builds the engine; the base class's blocking `generate` serves it; and an unchanged
+    RolloutWorker fills a learner batch on a real queue from it."""
+    from pipelinerl_jax.rollout import factory
+    from pipelinerl_jax.rollout.worker import RolloutWorker
+    from pipelinerl_jax.tasks import get_task
+    from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
+    from pipelinerl_jax.types import GenerationRequest, SamplingParams
+    cfg = run_config.base_config()
+    cfg.sampler.kind = "echo"
+    cfg.echo.repeat = 0
+    with pytest.raises(cfg_lib.ConfigError) as e:
+        run_config.validate(cfg)
+    assert e.value.key == "echo.repeat"
+    cfg.echo.repeat = 2
+    cfg.rollout.group_size, cfg.learner.batch_groups = 2, 2
+    run_config.validate(cfg)
+    cfg = run_config.resolve(cfg)
+    engine = factory.make_engine(cfg, "unused", 0, str(tmp_path))
+    assert isinstance(engine, echo_backend.EchoEngine) and engine.version == -1
+    engine.update_weights({}, 0)
+    outs = engine.generate([GenerationRequest(f"r{i}", np.array([4, 5, 6 + i], np.int32),
+                                              SamplingParams(max_new_tokens=5, n=2))
+                            for i in range(2)])
+    assert [(c.request_id, c.sample_index) for c in outs] == [("r0", 0), ("r0", 1),
+                                                              ("r1", 0), ("r1", 1)]
+    assert outs[2].token_ids.tolist() == [4, 5, 7, 4, 5]
+    assert (outs[0].version == 0).all() and outs[0].finish_reason == "length"
+
+    server = RolloutQueueServer(max_lag=cfg.max_lag).start()
+    learner, producer = RolloutQueueClient(server.address), RolloutQueueClient(server.address)
+    tok = get_tokenizer(cfg.tokenizer)
+    worker = RolloutWorker(cfg, engine, get_task(cfg.task), tok, producer)
+    try:
+        learner.set_version(0)
+        batch = None
+        for _ in range(100):
+            worker.run(max_seconds=0.05)
+            batch = learner.get_batch(2, timeout_s=0.05, learner_version=0)
+            if batch is not None:
+                break
+        assert batch is not None and len(batch.rollouts) == 4
+        for r in batch.rollouts:  # the echo of its prompt, sampled at version 0
+            np.testing.assert_array_equal(
+                r.completion_ids, np.tile(r.prompt_ids, 2)[:len(r.completion_ids)])
+            assert (r.version == 0).all()
+    finally:
+        worker.close()
+        for c in (learner, producer):
+            c.close()
+        server.stop()
+        engine.close()
