@@ -1,6 +1,6 @@
 """One table of engine backends (`rollout/factory.py`): the run config builds and checks every
 row's section, the launcher's `make_engine` dispatches on it, and a new backend is its own
-functions plus one row (the worked example of docs/engine.md, "Adding a backend")."""
+functions plus one row (the worked example: docs/extending.md, run by tests/test_extending.py)."""
 import importlib.util
 import os
 
