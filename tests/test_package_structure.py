@@ -161,3 +161,23 @@ def test_the_learner_imports_no_engine_and_never_branches_on_the_sampler_kind():
         src = open(path).read()
         assert "pipelinerl_jax.rollout" not in src, f"{path} imports from rollout/"
         assert "sampler.kind" not in src, f"{path} branches on sampler.kind"
+
+
+def test_the_readme_package_table_names_every_module():
+    """Docs match the layout: each top-level package and module of pipelinerl_jax is named
+    in the README's package table (a row, or a file named in a row)."""
+    readme = open(os.path.join(os.path.dirname(ROOT), "README.md"), encoding="utf-8").read()
+    table = readme[readme.index("| package | owns |"):]
+    table = table[:table.index("\n\n")]
+    pkg = ROOT
+    missing = []
+    for name in sorted(os.listdir(pkg)):
+        if name.startswith(("_", ".")) or name == "py.typed":
+            continue
+        if os.path.isdir(os.path.join(pkg, name)):
+            if f"`pipelinerl_jax/{name}/`" not in table:
+                missing.append(name + "/")
+        elif name.endswith(".py") and f"`{name}`" not in table \
+                and f"`pipelinerl_jax/{name}`" not in table:
+            missing.append(name)
+    assert not missing, f"not in the README package table: {missing}"
