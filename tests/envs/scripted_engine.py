@@ -10,7 +10,7 @@ Provenance mimics an in-flight weight update: the first half of a sample's token
 version live at submit, the rest the version live when it is returned (`kv_version` = the
 submit version, the 'keep' policy). Log-probs are a fixed function of (position, token).
 `submitted` and `returned` record everything, so tests compare the runner's output with
-exactly what the engine saw and produced.
+exactly what the engine saw and produced. Blocking `generate` is the base class's.
 """
 from __future__ import annotations
 
@@ -93,12 +93,14 @@ class ScriptedEngine(InferenceEngine):
         self.returned.append(c)
         return c
 
-    def get_completions(self, timeout: Optional[float] = 0.0, max_items=None):
+    def get_completions(self, timeout: Optional[float] = 0.0, max_items=None, *,
+                        request_ids=None):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
                 now = time.monotonic()
-                ready = sorted(e for e in self._pending if e[0] <= now)[:max_items]
+                ready = sorted(e for e in self._pending if e[0] <= now and (
+                    request_ids is None or e[2].request_id in request_ids))[:max_items]
                 if ready and not self._paused:
                     for e in ready:
                         self._pending.remove(e)
@@ -109,15 +111,6 @@ class ScriptedEngine(InferenceEngine):
                     return []
                 waits = [x for x in (left, None if nxt is None else nxt - now) if x is not None]
                 self._cv.wait(max(0.0, min(waits)) if waits else None)
-
-    def generate(self, requests, timeout=None):
-        for r in requests:
-            self.submit(r)
-        want = sum(r.params.n for r in requests)
-        out = []
-        while len(out) < want:
-            out += self.get_completions(timeout=timeout)
-        return out
 
     def update_weights(self, weights, version, *, wait=True, timeout=None, allow_older=False):
         with self._cv:
@@ -157,7 +150,7 @@ class ScriptedEngine(InferenceEngine):
 
     def health(self):
         return {"ok": not self._closed, "version": self._version, "running": True,
-                "paused": self._paused, "error": None}
+                "paused": self._paused, "error": None, "closed": self._closed}
 
     def stats(self):
         return {"engine_id": self.engine_id, "version": self._version}
