@@ -266,23 +266,42 @@ def export_raw(roots: Sequence[str], names: Sequence[str], out: str) -> List[str
 
 
 def load_runs(roots: Iterable[str]) -> Tuple[List[Run], List[str]]:
-    """Every run under `roots`; a root holding steps.csv is a folder of committed tables
-    (`export_tables`) and is read with `load_tables`."""
+    """Every run under `roots`, one per run name; a root holding steps.csv is a folder of
+    committed tables (`export_tables`) and is read with `load_tables`.
+
+    A grid that runs across sittings is exported from its live workdir together with the
+    tables committed earlier (`--results=WORKDIR,TABLES --out=TABLES`): a run in both is the
+    same run, and its directory (the whole record) replaces its table row; two directories
+    or two tables with one name are an error in `problems` (the first is kept)."""
     roots = list(roots)
-    runs, problems = [], []
+    problems = []
+    by_name: Dict[str, Run] = {}
+    from_table = set()
     tables = [r for r in roots if os.path.isfile(os.path.join(r, STEPS_CSV))]
     for root in tables:
         got, bad = load_tables(root)
-        runs += got
         problems += bad
+        for run in got:
+            if run.name in by_name:
+                problems.append(f"{root}: run {run.name} is in two table folders; kept the first")
+                continue
+            by_name[run.name] = run
+            from_table.add(run.name)
     dirs, bad = find_run_dirs([r for r in roots if r not in tables])
     problems += bad
     for d in dirs:
         try:
-            runs.append(load_run(d))
+            run = load_run(d)
         except RunError as e:
             problems.append(str(e))
-    return runs, problems
+            continue
+        if run.name in by_name and run.name not in from_table:
+            problems.append(f"{d}: run {run.name} is also at {by_name[run.name].path}; "
+                            f"kept that one")
+            continue
+        from_table.discard(run.name)
+        by_name[run.name] = run
+    return list(by_name.values()), problems
 
 
 # ---------------------------------------------------------------------------- summaries

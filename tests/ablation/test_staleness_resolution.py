@@ -103,3 +103,25 @@ def test_export_of_finished_runs_leaves_out_a_run_stopped_mid_way(tmp_path):
                                 finished_only=True)
     assert out["runs"] == 1 and any("not finished (failed)" in p for p in out["problems"])
     assert results.export_tables([str(tmp_path / "runs")], str(tmp_path / "u"))["runs"] == 2
+
+
+def test_a_later_sitting_exports_into_its_own_tables_without_duplicates(tmp_path):
+    """`--results=WORKDIR,TABLES --out=TABLES`: runs committed earlier and still in the
+    workdir are one run each (the directory wins); runs finished since are added."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        synthetic.write_run(str(runs / name), injected=True, k=1, loss="tis",
+                            labels={"loss": name, "seed": "0"})
+    tables = str(tmp_path / "t")
+    assert results.export_tables([str(runs)], tables)["runs"] == 2
+    synthetic.write_run(str(runs / "c"), injected=True, k=1, loss="tis",
+                        labels={"loss": "c", "seed": "0"})
+    out = results.export_tables([str(runs), tables], tables)
+    assert out["runs"] == 3 and not out["problems"]
+    loaded, problems = results.load_runs([tables])
+    assert sorted(r.name for r in loaded) == ["loss=a,seed=0", "loss=b,seed=0", "loss=c,seed=0"]
+    assert not problems
+    # Only in the tables (its workdir is gone, another sitting): kept from the tables.
+    import shutil
+    shutil.rmtree(runs / "a")
+    assert results.export_tables([str(runs), tables], tables)["runs"] == 3
