@@ -37,6 +37,7 @@ DEFAULT_RULES: tuple = (
     ("mlp", "tensor"),
     ("norm", None),
     ("seq", None),
+    ("lora_rank", None),  # LoRA adapters: A [in..., r], B [r, out...] shard like their base
 )
 
 
