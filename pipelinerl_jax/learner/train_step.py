@@ -52,13 +52,25 @@ from pipelinerl_jax.learner.batching import PACKED_KEYS, SEQ_KEYS
 
 
 class TrainState(NamedTuple):
-    params: Any  # pure dict of the trained parameter arrays (nnx.to_pure_dict layout)
+    params: Any  # pure dict of parameter arrays (nnx.to_pure_dict layout)
     opt_state: Any
     step: jax.Array  # int32 optimizer steps applied
-    # LoRA (models/lora.py): the frozen base weights, passed through every step unchanged;
-    # `params` then holds only the adapters, the only weights with gradients and optimizer
-    # state. None when every parameter trains.
-    frozen: Any = None
+
+
+class LoRATrainState(NamedTuple):
+    """The state of a model with LoRA adapters (models/lora.py): `params` holds only the
+    adapters, the only weights with gradients and optimizer state; `frozen` the base weights,
+    passed through every step unchanged. (A type of its own, so a full fine-tuning state and
+    its checkpoints keep their three fields.)"""
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    frozen: Any
+
+
+def frozen_params(state):
+    """The frozen base of a `LoRATrainState`; None for a `TrainState`."""
+    return getattr(state, "frozen", None)
 
 
 # The optimizer's numeric hyperparameters: traced inputs of the step, never compile-time
@@ -210,8 +222,10 @@ def init_state(model, optimizer, mesh: Mesh) -> TrainState:
     abstract = jax.eval_shape(optimizer.init, params)
     opt_sharding = jax.tree_util.tree_map_with_path(sharding_for, abstract)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
-    return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated),
-                      frozen)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    if frozen is not None:
+        return LoRATrainState(params, opt_state, step, frozen)
+    return TrainState(params, opt_state, step)
 
 
 def state_shardings(state: TrainState):
@@ -317,7 +331,8 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
         def body(acc, xs):
             one, w = xs
-            (loss, metrics), grads = grad_fn(state.params, state.frozen, one, hp["loss"])
+            (loss, metrics), grads = grad_fn(state.params, frozen_params(state), one,
+                                             hp["loss"])
             acc_grads, acc_loss, acc_metrics = acc
             acc_grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads,
                                      grads)
@@ -326,7 +341,7 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
         first = jax.tree.map(lambda x: x[0], micro)
         metrics_shape = jax.eval_shape(
-            lambda: micro_loss(state.params, state.frozen, first, hp["loss"])[1])
+            lambda: micro_loss(state.params, frozen_params(state), first, hp["loss"])[1])
         zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), state.params),
                  jnp.zeros((), jnp.float32),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
@@ -338,8 +353,9 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
                                             hp["optimizer"])
         new_params = apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
-        new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
-                               state.step + ok.astype(jnp.int32), state.frozen)
+        new_state = state._replace(params=keep(new_params, state.params),
+                                   opt_state=keep(new_opt, state.opt_state),
+                                   step=state.step + ok.astype(jnp.int32))
         metrics = dict(metrics)
         metrics.update(loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
         if any(jnp.dtype(p.dtype).itemsize < 4 for p in jax.tree.leaves(state.params)):
@@ -351,7 +367,7 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         if use_proximal and minibatches > 1:  # fixed once, before the first update (AReaL)
             current = jax.lax.stop_gradient(state.params)
             batch["logp_proximal"] = jax.lax.map(
-                lambda mb: packed_logp(current, state.frozen, mb)[0], batch)
+                lambda mb: packed_logp(current, frozen_params(state), mb)[0], batch)
         split = lambda x: x.reshape((minibatches, micro_batches) + x.shape[1:])  # noqa
         state, metrics = jax.lax.scan(lambda st, mb: minibatch_update(st, mb, hp), state,
                                       jax.tree.map(split, batch))
