@@ -64,6 +64,7 @@ from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import flat_params, from_pretrained
+from pipelinerl_jax.models.lora import attach_lora, lora_spec
 from pipelinerl_jax.run_config import completion_tokens
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
@@ -268,7 +269,7 @@ def save_checkpoint(acks: BatchAcks, progress: Progress, state, wall_time_s: flo
     it."""
     if injector is not None:
         publication.result()
-    acks.checkpoint(progress.step, state, progress.meta(wall_time_s),
+    acks.checkpoint(progress.step, ts.checkpointed(state), progress.meta(wall_time_s),
                     history=None if injector is None else injector.history)
 
 
@@ -315,6 +316,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     mesh = sharding_lib.make_mesh(tuple(cfg.mesh.shape))
     model = from_pretrained(init_checkpoint, dtype=cfg.model.dtype,
                             param_dtype=cfg.model.param_dtype, mesh=mesh)
+    if lora_spec(cfg) is not None:  # only the adapters train and are published (docs/lora.md)
+        attach_lora(model, lora_spec(cfg), mesh, seed=cfg.seed)
     optimizer, schedule = ts.make_optimizer(L.optimizer)
     state = ts.init_state(model, optimizer, mesh)
     step_fn = make_step(cfg, model, optimizer, mesh, state)
@@ -328,7 +331,9 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=L.keep_checkpoints)
     progress, history = Progress(), {}
     if ckpt.latest_step() is not None:
-        state, meta, step, history = ckpt.restore(state, history_like=state.params)
+        saved, meta, step, history = ckpt.restore(ts.checkpointed(state),
+                                                  history_like=state.params)
+        state = ts.restored(state, saved)
         progress = Progress(step, meta["version"], list(meta["trained_batch_ids"]),
                             meta.get("wall_time_s", 0.0))
         log.info("resumed from step %d (version %d)", step, progress.version)

@@ -73,6 +73,19 @@ def frozen_params(state):
     return getattr(state, "frozen", None)
 
 
+def checkpointed(state) -> TrainState:
+    """What a checkpoint holds of `state`: all of a `TrainState`; of a `LoRATrainState` the
+    adapters, their optimizer state and the step, never the frozen base (the run's init
+    checkpoint, which every restart loads again)."""
+    return TrainState(state.params, state.opt_state, state.step)
+
+
+def restored(state, saved: TrainState):
+    """`state` with a checkpoint's `saved` (from `checkpointed`) in place: its frozen base,
+    if any, is kept as it is."""
+    return state._replace(params=saved.params, opt_state=saved.opt_state, step=saved.step)
+
+
 # The optimizer's numeric hyperparameters: traced inputs of the step, never compile-time
 # constants, so runs that differ only in them share one compiled step (and one entry of the
 # persistent XLA cache). INJECTED go into `optax.inject_hyperparams`' state (the learning

@@ -97,6 +97,14 @@ def validate_lora_config(c, prefix: str = "lora") -> None:
         raise ConfigError(f"{prefix}.targets", f"names a projection twice: {list(targets)}")
 
 
+def lora_spec(cfg):
+    """The `LoRASpec` of a run config with `lora.enabled`, else None (also for a config
+    saved before the section existed)."""
+    if "lora" not in cfg or not cfg.lora.enabled:
+        return None
+    return spec_from_config(cfg.lora)
+
+
 def spec_from_config(c) -> LoRASpec:
     """The `LoRASpec` of a validated `lora` section."""
     return LoRASpec(rank=int(c.rank), alpha=float(c.alpha), targets=parse_targets(c.targets))
@@ -129,6 +137,25 @@ def add_lora(model, spec: LoRASpec, rngs: nnx.Rngs):
             jnp.zeros((spec.rank,) + out_shape, dtype),
             logical_axes=(RANK_AXIS,) + tuple(axes[n_in:])))
         module.lora_scale = spec.scale
+    return model
+
+
+def attach_lora(model, spec: LoRASpec, mesh, seed: int = 0):
+    """`add_lora`, then each adapter placed in its sharding on `mesh` (the rules of
+    `pipelinerl_jax.sharding`). The values are drawn once on the host, the same on every
+    process, and each process puts only its own shards (multi-process learners)."""
+    from pipelinerl_jax import sharding as sharding_lib  # cycle: sharding imports models
+    add_lora(model, spec, nnx.Rngs(seed))
+    adapters = nnx.state(model, nnx.LoRAParam)
+    shardings = sharding_lib.state_shardings(adapters, mesh)
+
+    def place(var, sh):
+        host = np.asarray(jax.device_get(var.get_value()))
+        return var.replace(jax.make_array_from_callback(
+            host.shape, sh.get_value(), lambda idx, host=host: host[idx]))
+
+    nnx.update(model, jax.tree.map(place, adapters, shardings,
+                                   is_leaf=lambda x: isinstance(x, nnx.Variable)))
     return model
 
 
@@ -208,3 +235,21 @@ def merged_params(model, spec: LoRASpec, host: bool = True) -> Dict[str, object]
     if host:
         merged = {k: np.asarray(v) for k, v in jax.device_get(merged).items()}
     return merged
+
+
+def merged_writer(save, base_checkpoint: str, spec: LoRASpec, dtype="float32",
+                  param_dtype=None):
+    """`save(flat, directory)` for adapter-only flat dicts: each is merged (float32) into the
+    base of `base_checkpoint` (loaded to host once, on first use, in these dtypes) and the
+    merged weights go to `save` (e.g. `transport.weight_sink.hf_checkpoint_writer`)."""
+    from pipelinerl_jax.models.hf_io import from_pretrained  # late: heavy
+    cache = {}
+
+    def write(flat, directory):
+        if "base" not in cache:
+            cache["base"] = flat_params(from_pretrained(base_checkpoint, dtype=dtype,
+                                                        param_dtype=param_dtype))
+        merged = merge_lora(cache["base"], flat, spec.scale)
+        save({k: np.asarray(v) for k, v in jax.device_get(merged).items()}, directory)
+
+    return write

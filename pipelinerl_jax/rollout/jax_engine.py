@@ -35,7 +35,7 @@ from pipelinerl_jax.models import (Decoder, flat_params, from_pretrained, param_
                                    state_from_flat)
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models.lora import LoRASpec, adapter_shapes, merge_lora, spec_from_config
+from pipelinerl_jax.models.lora import LoRASpec, adapter_shapes, merge_lora
 from pipelinerl_jax.models.params import WeightsMismatch
 from pipelinerl_jax.rollout import engine_memory, engine_steps
 from pipelinerl_jax.rollout.decode_step import init_engine_cache
@@ -369,6 +369,6 @@ def make_jax_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> JaxE
     """The engine of rollout worker `index` (run config `cfg`), started, at version -1 (no
     usable weights until the learner's first version arrives)."""
     model = from_pretrained(init_checkpoint, dtype=cfg.engine.dtype)
-    lora = spec_from_config(cfg.lora) if "lora" in cfg and cfg.lora.enabled else None
+    lora = lora_lib.lora_spec(cfg)
     return JaxEngine(model, cfg.engine, version=-1, engine_id=f"jax-{index}", start=True,
                      lora=lora)
