@@ -23,7 +23,10 @@ axes; the rank is never split).
 from __future__ import annotations
 
 import dataclasses
+import glob
+import hashlib
 import math
+import os
 from typing import Dict, Mapping, Tuple
 
 import jax
@@ -253,3 +256,17 @@ def merged_writer(save, base_checkpoint: str, spec: LoRASpec, dtype="float32",
         save({k: np.asarray(v) for k, v in jax.device_get(merged).items()}, directory)
 
     return write
+
+
+def base_identity(checkpoint: str) -> Dict[str, str]:
+    """`{"path", "sha256"}` of an HF checkpoint directory (its config and every safetensors
+    file, in name order): what a LoRA checkpoint records of the base its adapters belong to."""
+    files = [os.path.join(checkpoint, "config.json")] + sorted(
+        glob.glob(os.path.join(checkpoint, "*.safetensors")))
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    return {"path": os.path.abspath(checkpoint), "sha256": digest.hexdigest()}

@@ -167,3 +167,16 @@ def test_adapters_shard_like_their_base(eight_devices):
     abstract = nnx.split(nnx.eval_shape(
         lambda: add_lora(Decoder(MODEL, nnx.Rngs(0)), ALL, nnx.Rngs(1))))[1]
     sharding.state_shardings(abstract, mesh)  # every adapter dim divides (rank unsplit)
+
+
+def test_base_identity_names_the_exact_checkpoint(tmp_path):
+    from pipelinerl_jax.models import save_pretrained
+    from pipelinerl_jax.models.lora import base_identity
+    model = Decoder(MODEL, nnx.Rngs(0))
+    save_pretrained(model, str(tmp_path / "a"))
+    save_pretrained(model, str(tmp_path / "b"))
+    a, b = base_identity(str(tmp_path / "a")), base_identity(str(tmp_path / "b"))
+    assert a["sha256"] == b["sha256"] and a["path"] != b["path"]
+    model.embed.set_value(model.embed[...].at[0, 0].add(1e-3))
+    save_pretrained(model, str(tmp_path / "b"))
+    assert base_identity(str(tmp_path / "b"))["sha256"] != a["sha256"]
