@@ -56,6 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     from pipelinerl_jax.envs import env_config  # late: JAX
     from pipelinerl_jax.losses import advantage_config, loss_config  # late: JAX
     from pipelinerl_jax.models.factory import model_config  # late: JAX
+    from pipelinerl_jax.models.lora import lora_config  # late: JAX
     from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
     from pipelinerl_jax.tasks import task_config  # late: JAX
     from pipelinerl_jax.tokenizers import tokenizer_config  # late: JAX
@@ -67,6 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.max_lag = 4  # tokens older than this many versions are never trained on (async)
     c.lag_control = lag_control_config()  # enabled: the allowed lag follows a health signal
     c.model = model_config()
+    c.lora = lora_config()  # adapters on the model's projections (docs/lora.md)
     c.tokenizer = tokenizer_config()
     c.task = task_config()
     c.env = env_config()  # used when task.name is an environment (multi-turn episodes)
@@ -230,12 +232,23 @@ def _with_contexts(cfg) -> ml_collections.ConfigDict:
     return cfg
 
 
+def _validate_lora_run(cfg) -> None:
+    """What a LoRA run needs of the rest of the config (docs/lora.md: what is built)."""
+    if not cfg.lora.enabled:
+        return
+    if cfg.sampler.kind != "jax":
+        raise ConfigError("lora.enabled", f"adapter-only publication reaches the embedded "
+                          f"JaxEngine only (sampler.kind='jax'), not "
+                          f"sampler.kind={cfg.sampler.kind!r}")
+
+
 def validate(cfg) -> None:
     """Checks the whole experiment config; raises `ConfigError` naming the first bad key."""
     from pipelinerl_jax.envs import build_task, is_env_task  # late: JAX
     from pipelinerl_jax.losses import (  # late: JAX
         validate_advantage_config, validate_loss_config)
     from pipelinerl_jax.models.factory import validate_model_config  # late: JAX
+    from pipelinerl_jax.models.lora import validate_lora_config  # late: JAX
     from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
     from pipelinerl_jax.tokenizers import get_tokenizer  # late: JAX
     from pipelinerl_jax.transport import validate_transport_config  # late: JAX
@@ -252,6 +265,8 @@ def validate(cfg) -> None:
     check_keys(cfg.lag_control, "lag_control", lag_control_config().keys())
     validate_lag_control(cfg)
     validate_model_config(cfg.model, "model")
+    validate_lora_config(cfg.lora, "lora")
+    _validate_lora_run(cfg)
     tok = get_tokenizer(cfg.tokenizer)
     task = build_task(cfg)
     if cfg.sampler.kind not in BACKENDS:

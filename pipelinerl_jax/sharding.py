@@ -37,6 +37,7 @@ DEFAULT_RULES: tuple = (
     ("mlp", "tensor"),
     ("norm", None),
     ("seq", None),
+    ("lora_rank", None),  # LoRA adapters: A [in..., r], B [r, out...] shard like their base
 )
 
 
@@ -119,16 +120,23 @@ def param_specs(model_or_state, rules=DEFAULT_RULES) -> dict:
     return out
 
 
-def create_model(cfg, mesh: Optional[Mesh] = None, seed: int = 0, rules=DEFAULT_RULES):
-    """A randomly initialised `Decoder` whose parameters are born in their shardings."""
-    from pipelinerl_jax.models.model import Decoder  # cycle: models import sharding
+def create_model(cfg, mesh: Optional[Mesh] = None, seed: int = 0, rules=DEFAULT_RULES,
+                 lora=None):
+    """A randomly initialised `Decoder` whose parameters are born in their shardings; with
+    `lora` (a `models.lora.LoRASpec`), fresh adapters too (the base is the same as without)."""
+    from pipelinerl_jax.models.lora import add_lora  # cycle: models import sharding
+    from pipelinerl_jax.models.model import Decoder
 
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(seed)))
+    def build():
+        model = Decoder(cfg, nnx.Rngs(seed))
+        return model if lora is None else add_lora(model, lora, nnx.Rngs(seed + 1))
+
+    abstract = nnx.eval_shape(build)
     graphdef, abs_state = nnx.split(abstract)
     shardings = state_shardings(abs_state, mesh, rules)
 
     def init():
-        return nnx.state(Decoder(cfg, nnx.Rngs(seed)))
+        return nnx.state(build())
 
     return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())
 

@@ -38,10 +38,10 @@ def train_env(extra=None) -> dict:
     return env
 
 
-def run_train(workdir, *flags, timeout=600, check=True, env=None):
+def run_train(workdir, *flags, timeout=600, check=True, env=None, config="default.py"):
     env = train_env(env)
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"),
-           f"--config={os.path.join(ROOT, 'configs', 'default.py')}:quick",
+           f"--config={os.path.join(ROOT, 'configs', config)}:quick",
            f"--workdir={workdir}", *TINY_FLAGS, *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
                          cwd=ROOT)

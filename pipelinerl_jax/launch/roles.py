@@ -150,9 +150,13 @@ def eval_outbox(cfg, workdir: str, init_ckpt: str):
         return None
     from pipelinerl_jax.rollout.eval_versions import EvalOutbox, eval_root
     from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
-    return EvalOutbox(eval_root(workdir), hf_checkpoint_writer(init_ckpt, cfg.model.dtype,
-                                                               cfg.model.param_dtype),
-                      cfg.learner.eval_every, cfg.learner.total_steps)
+    save = hf_checkpoint_writer(init_ckpt, cfg.model.dtype, cfg.model.param_dtype)
+    from pipelinerl_jax.models.lora import lora_spec, merged_writer
+    if lora_spec(cfg) is not None:  # the learner hands over adapters: merge them first
+        save = merged_writer(save, init_ckpt, lora_spec(cfg), cfg.model.dtype,
+                             cfg.model.param_dtype)
+    return EvalOutbox(eval_root(workdir), save, cfg.learner.eval_every,
+                      cfg.learner.total_steps)
 
 
 def sft_evaluator(cfg):

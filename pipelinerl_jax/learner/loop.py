@@ -64,6 +64,7 @@ from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import flat_params, from_pretrained
+from pipelinerl_jax.models.lora import attach_lora, base_identity, lora_spec
 from pipelinerl_jax.run_config import completion_tokens
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
@@ -246,6 +247,7 @@ class Progress:
     version: int = 0
     trained: List[str] = dataclasses.field(default_factory=list)
     wall_offset_s: float = 0.0  # wall time of the run before this process resumed it
+    lora_base: Optional[dict] = None  # LoRA: the base the adapters belong to (base_identity)
 
     def __post_init__(self):
         self.trained_set = set(self.trained)
@@ -257,8 +259,11 @@ class Progress:
         self.trained_set.add(batch_id)
 
     def meta(self, wall_time_s: float) -> dict:
-        return {"version": self.version, "trained_batch_ids": self.trained[-10000:],
+        meta = {"version": self.version, "trained_batch_ids": self.trained[-10000:],
                 "wall_time_s": wall_time_s}
+        if self.lora_base is not None:
+            meta["lora_base"] = self.lora_base
+        return meta
 
 
 def save_checkpoint(acks: BatchAcks, progress: Progress, state, wall_time_s: float,
@@ -268,7 +273,7 @@ def save_checkpoint(acks: BatchAcks, progress: Progress, state, wall_time_s: flo
     it."""
     if injector is not None:
         publication.result()
-    acks.checkpoint(progress.step, state, progress.meta(wall_time_s),
+    acks.checkpoint(progress.step, ts.checkpointed(state), progress.meta(wall_time_s),
                     history=None if injector is None else injector.history)
 
 
@@ -315,6 +320,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     mesh = sharding_lib.make_mesh(tuple(cfg.mesh.shape))
     model = from_pretrained(init_checkpoint, dtype=cfg.model.dtype,
                             param_dtype=cfg.model.param_dtype, mesh=mesh)
+    if lora_spec(cfg) is not None:  # only the adapters train and are published (docs/lora.md)
+        attach_lora(model, lora_spec(cfg), mesh, seed=cfg.seed)
     optimizer, schedule = ts.make_optimizer(L.optimizer)
     state = ts.init_state(model, optimizer, mesh)
     step_fn = make_step(cfg, model, optimizer, mesh, state)
@@ -326,11 +333,19 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     # ------------------------------------------------------------------ checkpoint restore
     multihost.barrier("model-built")  # orbax's first collective: every process is ready
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=L.keep_checkpoints)
-    progress, history = Progress(), {}
+    base_id = base_identity(init_checkpoint) if lora_spec(cfg) is not None else None
+    progress, history = Progress(lora_base=base_id), {}
     if ckpt.latest_step() is not None:
-        state, meta, step, history = ckpt.restore(state, history_like=state.params)
+        saved, meta, step, history = ckpt.restore(ts.checkpointed(state),
+                                                  history_like=state.params)
+        if base_id is not None and (meta.get("lora_base") or {}).get("sha256") != \
+                base_id["sha256"]:
+            raise ValueError(f"checkpoint step {step} in {ckpt.directory} holds LoRA adapters "
+                             f"of the base {meta.get('lora_base')}, not of this run's init "
+                             f"checkpoint {base_id}")
+        state = ts.restored(state, saved)
         progress = Progress(step, meta["version"], list(meta["trained_batch_ids"]),
-                            meta.get("wall_time_s", 0.0))
+                            meta.get("wall_time_s", 0.0), lora_base=base_id)
         log.info("resumed from step %d (version %d)", step, progress.version)
     injector = LagInjector(cfg.lag_injection, history) if cfg.lag_injection.enabled else None
 

@@ -57,6 +57,35 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 optimizer steps applied
 
 
+class LoRATrainState(NamedTuple):
+    """The state of a model with LoRA adapters (models/lora.py): `params` holds only the
+    adapters, the only weights with gradients and optimizer state; `frozen` the base weights,
+    passed through every step unchanged. (A type of its own, so a full fine-tuning state and
+    its checkpoints keep their three fields.)"""
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    frozen: Any
+
+
+def frozen_params(state):
+    """The frozen base of a `LoRATrainState`; None for a `TrainState`."""
+    return getattr(state, "frozen", None)
+
+
+def checkpointed(state) -> TrainState:
+    """What a checkpoint holds of `state`: all of a `TrainState`; of a `LoRATrainState` the
+    adapters, their optimizer state and the step, never the frozen base (the run's init
+    checkpoint, which every restart loads again)."""
+    return TrainState(state.params, state.opt_state, state.step)
+
+
+def restored(state, saved: TrainState):
+    """`state` with a checkpoint's `saved` (from `checkpointed`) in place: its frozen base,
+    if any, is kept as it is."""
+    return state._replace(params=saved.params, opt_state=saved.opt_state, step=saved.step)
+
+
 # The optimizer's numeric hyperparameters: traced inputs of the step, never compile-time
 # constants, so runs that differ only in them share one compiled step (and one entry of the
 # persistent XLA cache). INJECTED go into `optax.inject_hyperparams`' state (the learning
@@ -185,7 +214,13 @@ def init_state(model, optimizer, mesh: Mesh) -> TrainState:
     placement matters beyond memory: a leaf left uncommitted on the first call would differ
     in type from the step's output and cost a recompilation on the second call.
     """
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    frozen = None
+    if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):  # adapters: only they train
+        params = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
+        frozen = nnx.to_pure_dict(nnx.state(model, nnx.All(nnx.Param,
+                                                            nnx.Not(nnx.LoRAParam))))
+    else:
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     by_path = {tuple(p): (x.shape, x.sharding)
                for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -200,7 +235,10 @@ def init_state(model, optimizer, mesh: Mesh) -> TrainState:
     abstract = jax.eval_shape(optimizer.init, params)
     opt_sharding = jax.tree_util.tree_map_with_path(sharding_for, abstract)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
-    return TrainState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), replicated))
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    if frozen is not None:
+        return LoRATrainState(params, opt_state, step, frozen)
+    return TrainState(params, opt_state, step)
 
 
 def state_shardings(state: TrainState):
@@ -271,17 +309,19 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
     row_sharding = sharding_lib.batch_sharding(mesh, rules)
 
-    def packed_logp(params, mb):
-        """Log-probs and entropies of the packed rows, gathered to `[N, C]` sequence rows."""
-        model = nnx.merge(graphdef, params)
+    def packed_logp(params, frozen, mb):
+        """Log-probs and entropies of the packed rows, gathered to `[N, C]` sequence rows
+        (`frozen`: the LoRA base, or None)."""
+        model = nnx.merge(graphdef, params) if frozen is None else \
+            nnx.merge(graphdef, frozen, params)
         ids = jax.lax.with_sharding_constraint(mb["input_ids"], row_sharding)
         logits = model(ids, positions=mb["positions"], segment_ids=mb["segment_ids"])
         logp, entropy = logp_and_entropy(logits, mb["targets"], temperature)
         idx = mb["gather_idx"]
         return jnp.take(logp.reshape(-1), idx), jnp.take(entropy.reshape(-1), idx)
 
-    def micro_loss(params, mb, loss_hp):
-        logp, entropy = packed_logp(params, mb)
+    def micro_loss(params, frozen, mb, loss_hp):
+        logp, entropy = packed_logp(params, frozen, mb)
         if not use_proximal:
             proximal = None
         elif "logp_proximal" in mb:
@@ -304,7 +344,8 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
         def body(acc, xs):
             one, w = xs
-            (loss, metrics), grads = grad_fn(state.params, one, hp["loss"])
+            (loss, metrics), grads = grad_fn(state.params, frozen_params(state), one,
+                                             hp["loss"])
             acc_grads, acc_loss, acc_metrics = acc
             acc_grads = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc_grads,
                                      grads)
@@ -312,7 +353,8 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
             return (acc_grads, acc_loss + w * loss, acc_metrics), None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        metrics_shape = jax.eval_shape(lambda: micro_loss(state.params, first, hp["loss"])[1])
+        metrics_shape = jax.eval_shape(
+            lambda: micro_loss(state.params, frozen_params(state), first, hp["loss"])[1])
         zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), state.params),
                  jnp.zeros((), jnp.float32),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
@@ -324,8 +366,9 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
                                             hp["optimizer"])
         new_params = apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
-        new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
-                               state.step + ok.astype(jnp.int32))
+        new_state = state._replace(params=keep(new_params, state.params),
+                                   opt_state=keep(new_opt, state.opt_state),
+                                   step=state.step + ok.astype(jnp.int32))
         metrics = dict(metrics)
         metrics.update(loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
         if any(jnp.dtype(p.dtype).itemsize < 4 for p in jax.tree.leaves(state.params)):
@@ -335,8 +378,9 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
     def step(state: TrainState, batch: Dict[str, jax.Array], hp):
         batch = dict(batch)
         if use_proximal and minibatches > 1:  # fixed once, before the first update (AReaL)
-            frozen = jax.lax.stop_gradient(state.params)
-            batch["logp_proximal"] = jax.lax.map(lambda mb: packed_logp(frozen, mb)[0], batch)
+            current = jax.lax.stop_gradient(state.params)
+            batch["logp_proximal"] = jax.lax.map(
+                lambda mb: packed_logp(current, frozen_params(state), mb)[0], batch)
         split = lambda x: x.reshape((minibatches, micro_batches) + x.shape[1:])  # noqa
         state, metrics = jax.lax.scan(lambda st, mb: minibatch_update(st, mb, hp), state,
                                       jax.tree.map(split, batch))

@@ -16,3 +16,8 @@ from pipelinerl_jax.models.params import (WeightsMismatch, decoder_from_flat,  #
 
 __all__ += ["flat_params", "state_from_flat", "param_shapes", "decoder_from_flat",
             "WeightsMismatch"]
+from pipelinerl_jax.models.lora import (LoRASpec, adapter_params, add_lora,  # noqa: E402
+                                        base_params, merge_lora, merged_params)
+
+__all__ += ["LoRASpec", "add_lora", "adapter_params", "base_params", "merge_lora",
+            "merged_params"]

@@ -84,6 +84,23 @@ def apply_rope(x_bthx: jax.Array, positions_bt: jax.Array, inv_freq: jax.Array) 
     return (xf * cos + rotated * sin).astype(x_bthx.dtype)
 
 
+def lora_delta(module: nnx.Module, name: str, x, dt):
+    """`scale · (x·A)·B` of projection `name`'s LoRA adapter on `module` (`models.lora`), or
+    None when it has none. A contracts x's trailing input axes, B yields W's output axes."""
+    a = getattr(module, name + "_lora_a", None)
+    if a is None:
+        return None
+    a, b = a[...].astype(dt), getattr(module, name + "_lora_b")[...].astype(dt)
+    xa = jnp.tensordot(x.astype(dt), a, axes=a.ndim - 1)
+    return (jnp.tensordot(xa, b, axes=1) * module.lora_scale).astype(dt)
+
+
+def _adapted(module: nnx.Module, name: str, x, y):
+    """`y` (= x·W) plus the adapter's term when `name` has one."""
+    delta = lora_delta(module, name, x, y.dtype)
+    return y if delta is None else y + delta
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype, rngs=None):
         self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
@@ -119,9 +136,12 @@ class Attention(nnx.Module):
         applied (shared with the engine's specialised decode step)."""
         cfg, dt = self.cfg, self.cfg.dtype
         x_btd = x_btd.astype(dt)
-        q = jnp.einsum("btd,dhx->bthx", x_btd, self.q_proj[...].astype(dt))
-        k = jnp.einsum("btd,dkx->btkx", x_btd, self.k_proj[...].astype(dt))
-        v = jnp.einsum("btd,dkx->btkx", x_btd, self.v_proj[...].astype(dt))
+        q = _adapted(self, "q_proj", x_btd,
+                     jnp.einsum("btd,dhx->bthx", x_btd, self.q_proj[...].astype(dt)))
+        k = _adapted(self, "k_proj", x_btd,
+                     jnp.einsum("btd,dkx->btkx", x_btd, self.k_proj[...].astype(dt)))
+        v = _adapted(self, "v_proj", x_btd,
+                     jnp.einsum("btd,dkx->btkx", x_btd, self.v_proj[...].astype(dt)))
         if cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -133,7 +153,8 @@ class Attention(nnx.Module):
     def output(self, out_bthx):
         """The output projection of attention values `[..., H, X]` -> `[..., D]`."""
         dt = self.cfg.dtype
-        y = jnp.einsum("...hx,hxd->...d", out_bthx, self.o_proj[...].astype(dt))
+        y = _adapted(self, "o_proj", out_bthx,
+                     jnp.einsum("...hx,hxd->...d", out_bthx, self.o_proj[...].astype(dt)))
         if self.cfg.o_bias:
             y = y + self.o_bias[...].astype(dt)
         return y
@@ -188,11 +209,12 @@ class MLP(nnx.Module):
     def __call__(self, x_btd):
         dt = self.cfg.dtype
         x_btd = x_btd.astype(dt)
-        gate = x_btd @ self.gate_proj[...].astype(dt)
-        up = x_btd @ self.up_proj[...].astype(dt)
+        gate = _adapted(self, "gate_proj", x_btd, x_btd @ self.gate_proj[...].astype(dt))
+        up = _adapted(self, "up_proj", x_btd, x_btd @ self.up_proj[...].astype(dt))
         if self.cfg.mlp_bias:
             gate, up = gate + self.gate_bias[...].astype(dt), up + self.up_bias[...].astype(dt)
-        y = (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+        act = jax.nn.silu(gate) * up
+        y = _adapted(self, "down_proj", act, act @ self.down_proj[...].astype(dt))
         if self.cfg.mlp_bias:
             y = y + self.down_bias[...].astype(dt)
         return y

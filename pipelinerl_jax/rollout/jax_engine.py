@@ -34,6 +34,9 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import (Decoder, flat_params, from_pretrained, param_shapes,
                                    state_from_flat)
 from pipelinerl_jax.models.config import dtype_of
+from pipelinerl_jax.models import lora as lora_lib
+from pipelinerl_jax.models.lora import LoRASpec, adapter_shapes, merge_lora
+from pipelinerl_jax.models.params import WeightsMismatch
 from pipelinerl_jax.rollout import engine_memory, engine_steps
 from pipelinerl_jax.rollout.decode_step import init_engine_cache
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
@@ -122,7 +125,8 @@ class JaxEngine(InferenceEngine):
     """
 
     def __init__(self, model: Any, config: Optional[Mapping] = None, *, version: int = 0,
-                 engine_id: str = "jax-engine", mesh=None, start: bool = False):
+                 engine_id: str = "jax-engine", mesh=None, start: bool = False,
+                 lora: Optional[LoRASpec] = None):
         cfg = engine_config()
         if config is not None:
             cfg.update(config)
@@ -156,8 +160,15 @@ class JaxEngine(InferenceEngine):
             self._mesh, sharding_lib.logical_to_spec((None, "kv_heads", None, None)))
         fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
                                     cfg.logprob_mode, cache_sharding, replicated)
+        initial = self._materialise(model)
+        # LoRA (docs/lora.md): `model` is the frozen base, kept; a version is its adapters,
+        # merged into this copy of the base (in float32) once per version by `update_weights`.
+        self.lora = lora
+        self._base = initial if lora is not None else None
+        self._adapter_shapes = (adapter_shapes(param_shapes(self._abstract_state), lora)
+                                if lora is not None else None)
         self.scheduler = SlotScheduler(
-            fns, self._materialise(model),
+            fns, initial,
             jax.device_put(init_engine_cache(self.model_config, cfg.max_slots,
                                              cfg.max_seq_len), cache_sharding),
             jax.device_put(engine_steps.empty_slots(cfg.max_slots, cfg.max_stop_tokens),
@@ -195,7 +206,29 @@ class JaxEngine(InferenceEngine):
         return state_from_flat(self._abstract_state, weights, self._param_shardings)
 
     def weight_shapes(self) -> Dict[str, tuple]:
+        """`{name: shape}` of what a published version carries (the transport checks it):
+        the adapters under LoRA, else every weight."""
+        if self._adapter_shapes is not None:
+            return dict(self._adapter_shapes)
         return param_shapes(self._abstract_state)
+
+    def _merge_adapters(self, adapters: Mapping[str, Any]) -> nnx.State:
+        """The base with `adapters` (exactly this engine's adapter names and shapes, else
+        `WeightsMismatch`) merged in, in float32, as a fresh state in the engine's dtype."""
+        expected = self._adapter_shapes
+        missing = sorted(set(expected) - set(adapters))
+        unknown = sorted(set(adapters) - set(expected))
+        if missing or unknown:
+            raise WeightsMismatch(f"adapters do not match this engine's base and LoRA targets "
+                                  f"{list(self.lora.targets)}: missing {missing[:5]}, unknown "
+                                  f"{unknown[:5]}")
+        for name, shape in expected.items():
+            got = tuple(np.shape(adapters[name]))
+            if got != shape:
+                raise WeightsMismatch(f"adapters: {name!r} has shape {got}, this engine needs "
+                                      f"{shape} (rank {self.lora.rank})")
+        merged = merge_lora(flat_params(self._base, host=False), adapters, self.lora.scale)
+        return state_from_flat(self._abstract_state, merged, self._param_shardings)
 
     @property
     def version(self) -> int:
@@ -214,7 +247,11 @@ class JaxEngine(InferenceEngine):
             raise ValueError(f"update_weights: version must be an integer, got {version!r}")
         version = int(version)
         self.scheduler.check_newer(version, allow_older)
-        params = self._materialise(weights)  # the slow part, outside every lock
+        if self.lora is not None and isinstance(weights, Mapping) and not isinstance(
+                weights, nnx.State) and all(lora_lib.is_adapter_name(k) for k in weights):
+            params = self._merge_adapters(weights)  # the slow part, outside every lock
+        else:
+            params = self._materialise(weights)  # the slow part, outside every lock
         self.scheduler.stage_update(params, version, allow_older)
         if self._thread is None:
             self.scheduler.apply_update_now()
@@ -332,4 +369,6 @@ def make_jax_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> JaxE
     """The engine of rollout worker `index` (run config `cfg`), started, at version -1 (no
     usable weights until the learner's first version arrives)."""
     model = from_pretrained(init_checkpoint, dtype=cfg.engine.dtype)
-    return JaxEngine(model, cfg.engine, version=-1, engine_id=f"jax-{index}", start=True)
+    lora = lora_lib.lora_spec(cfg)
+    return JaxEngine(model, cfg.engine, version=-1, engine_id=f"jax-{index}", start=True,
+                     lora=lora)

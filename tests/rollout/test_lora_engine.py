@@ -1,0 +1,134 @@
+"""Adapter-only publication to the JaxEngine (docs/lora.md): a version carries only the LoRA
+adapters over the real gRPC weight stream; the engine merges them into its own copy of the
+base (float32) and then samples exactly what an engine given the fully merged weights
+samples; per-token provenance and in-flight updates are unchanged; adapters that do not fit
+its base are refused and nothing is installed."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pipelinerl_jax.models import (LoRASpec, WeightsMismatch, adapter_params, add_lora,
+                                   decoder_from_flat, flat_params, merged_params)
+from pipelinerl_jax.rollout.jax_engine import JaxEngine
+from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+from tests.rollout.conftest import SHAPE, make_model, random_requests
+from tests.rollout.test_weight_updates import check_recompute, run_until
+
+SPEC = LoRASpec(rank=4, alpha=8.0)
+FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
+
+
+def _trained_adapter(base, seed, spec=SPEC):
+    """`base` (copied) with adapters whose B is non-zero, big enough to change samples."""
+    model = add_lora(nnx.clone(base), spec, nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for path, var in jax.tree_util.tree_flatten_with_path(
+            nnx.state(model, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        if str(path[-1].key).endswith("_lora_b"):
+            var.set_value(jnp.asarray(0.5 * rng.standard_normal(var.shape), var.dtype))
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_versions():
+    """{version: a LoRA model}, version 0 = fresh adapters (the base itself)."""
+    base = make_model(100)
+    out = {0: add_lora(nnx.clone(base), SPEC, nnx.Rngs(0))}
+    out.update({v: _trained_adapter(base, seed=v) for v in (1, 2)})
+    return base, out
+
+
+def _greedy(engine, n=6):
+    reqs = random_requests(n, seed=11, max_new_cap=24, temperature=0.0)
+    return {c.request_id: c for c in engine.generate(reqs)}
+
+
+def test_adapter_only_publication_over_grpc_equals_the_merged_weights(lora_versions):
+    base, versions = lora_versions
+    adapters = adapter_params(versions[1])
+    merged = merged_params(versions[1], SPEC)
+    full_bytes = sum(a.nbytes for a in flat_params(base).values())
+    adapter_bytes = sum(a.nbytes for a in adapters.values())
+    print(f"\nbytes per published version: adapters {adapter_bytes} vs full {full_bytes} "
+          f"(ratio {adapter_bytes / full_bytes:.4f}, rank {SPEC.rank}, all projections)")
+    assert adapter_bytes < full_bytes / 4
+
+    lora_engine = JaxEngine(base, SHAPE, lora=SPEC)
+    merged_engine = JaxEngine(base, SHAPE)
+    before = _greedy(lora_engine)
+    assert set(lora_engine.weight_shapes()) == set(adapters)
+    with WeightPublisher() as pub:
+        sub = WeightSubscriber(pub.address, lambda v, p, pv: lora_engine.update_weights(p, v),
+                               retry=FAST, expected_shapes=lora_engine.weight_shapes())
+        try:
+            pub.publish(1, adapters)
+            assert sub.wait_for_version(1, 30)
+        finally:
+            sub.close()
+    assert lora_engine.version == 1
+    merged_engine.update_weights(merged, 1)
+    got, want = _greedy(lora_engine), _greedy(merged_engine)
+    for rid, c in want.items():
+        np.testing.assert_array_equal(got[rid].token_ids, c.token_ids, err_msg=rid)
+        np.testing.assert_allclose(got[rid].logp_behaviour, c.logp_behaviour, atol=1e-6)
+        assert (got[rid].version == 1).all()
+    assert any(not np.array_equal(before[r].token_ids, got[r].token_ids) for r in got), \
+        "the adapters changed no greedy sample: the comparison would prove nothing"
+    # the installed weights are the merge, bit for bit, and the engine's base is untouched
+    for name, w in flat_params(lora_engine.params).items():
+        np.testing.assert_array_equal(w, np.asarray(merged[name]), err_msg=name)
+    lora_engine.close()
+    merged_engine.close()
+
+
+def test_in_flight_adapter_updates_keep_per_token_provenance(lora_versions, reference):
+    """kv_policy='recompute': every token's log-prob is the learner's forward (adapters
+    applied unmerged) under the version that sampled it; lag injection may go back."""
+    base, versions = lora_versions
+    eng = JaxEngine(base, {**SHAPE, "kv_policy": "recompute"}, lora=SPEC)
+    reqs = random_requests(6, seed=5, lognormal=(3.3, 0.3), max_new_cap=45)
+    eng.submit_batch(reqs)
+    done = []
+    for v in (1, 2):
+        for _ in range(2):
+            eng.step()
+            done += eng.get_completions()
+        eng.update_weights(adapter_params(versions[v]), v)
+        assert eng.version == v
+    done += run_until(eng, len(reqs) - len(done))
+    assert sorted(c.request_id for c in done) == sorted(r.request_id for r in reqs)
+    assert any(len(set(c.version.tolist())) == 3 for c in done)
+    for c in done:
+        check_recompute(c, versions, reference)
+    eng.update_weights(adapter_params(versions[1]), 1, allow_older=True)  # lag injection
+    assert eng.version == 1
+    for name, w in flat_params(eng.params).items():  # merged into the base, not into v2
+        np.testing.assert_array_equal(w, np.asarray(merged_params(versions[1], SPEC)[name]))
+    eng.close()
+
+
+def test_adapters_that_do_not_fit_the_engines_base_are_refused(lora_versions):
+    base, versions = lora_versions
+    eng = JaxEngine(base, SHAPE, lora=SPEC)
+    good = adapter_params(versions[1])
+    qa = "layers/0/attn/q_proj_lora_a"
+    other_rank = adapter_params(_trained_adapter(base, 3, LoRASpec(rank=2, alpha=8.0)))
+    few = adapter_params(_trained_adapter(base, 3, LoRASpec(4, 8.0, ("q_proj", "v_proj"))))
+    cases = {
+        "rank": (other_rank, r"has shape \(\d+, 2\), this engine needs \(\d+, 4\) \(rank 4\)"),
+        "targets": (few, r"missing \['layers/0/attn/k_proj_lora_a'"),
+        "no base": ({**good, "layers/7/attn/q_proj_lora_a": good[qa]},
+                    r"unknown \['layers/7/attn/q_proj_lora_a'\]"),
+        "one shape": ({**good, qa: good[qa][:-1]}, r"'layers/0/attn/q_proj_lora_a' has shape"),
+    }
+    for what, (bad, message) in cases.items():
+        with pytest.raises(WeightsMismatch, match=message):
+            eng.update_weights(bad, 1)
+        assert eng.version == 0, what
+    eng.update_weights(flat_params(decoder_from_flat(merged_params(versions[2], SPEC),
+                                                     base.cfg)), 2)  # full weights still do
+    assert eng.version == 2
+    eng.close()
