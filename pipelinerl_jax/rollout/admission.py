@@ -273,7 +273,7 @@ class PipelineAdmission:
             log.warning("learner rolled back to version %d (engine at %d): installing it",
                         version, self.engine.version)
             self.rollout_log.event("weights_rollback", version=int(version),
-                           engine_version=int(self.engine.version))
+                                   engine_version=int(self.engine.version))
             self.engine.update_weights(params, version, wait=False, allow_older=True)
 
 

@@ -20,6 +20,7 @@ a `Completion` from the chunks a sample was generated in (`completion_from_chunk
 from __future__ import annotations
 
 import abc
+import collections
 import math
 import time
 from typing import AbstractSet, Any, Dict, List, Optional, Sequence
@@ -120,6 +121,39 @@ def completion_from_chunks(request: GenerationRequest, sample_index: int, prompt
         version=cat(versions, np.int32), kv_version=cat(kv_versions, np.int32),
         finish_reason=finish_reason, start_version=int(start_version), engine_id=engine_id,
         submit_time=submit_time, start_time=start_time, finish_time=time.time())
+
+
+def has_ready(outbox: collections.deque, request_ids: Optional[AbstractSet[str]]) -> bool:
+    """Whether `outbox` holds a finished sample (of `request_ids` only, when given)."""
+    return bool(outbox) if request_ids is None else any(
+        c.request_id in request_ids for c in outbox)
+
+
+def take_ready(outbox: collections.deque, request_ids: Optional[AbstractSet[str]],
+               max_items: Optional[int]) -> List[Completion]:
+    """Removes and returns the finished samples of `outbox` (of `request_ids` only, when
+    given; the others stay, in order), oldest first, at most `max_items`. The engines'
+    `get_completions` share it, under their own locks."""
+    if request_ids is None:
+        n = len(outbox) if max_items is None else min(max_items, len(outbox))
+        return [outbox.popleft() for _ in range(n)]
+    mine, rest = [], []
+    for c in outbox:
+        wanted = c.request_id in request_ids and (max_items is None or len(mine) < max_items)
+        (mine if wanted else rest).append(c)
+    outbox.clear()
+    outbox.extend(rest)
+    return mine
+
+
+def check_version_order(version: int, newest: int, live: int, allow_older: bool) -> None:
+    """`update_weights`' ordering rule: unless `allow_older`, `version` must exceed `newest`
+    (the newest version accepted, live or pending; `live` is the one in use)."""
+    if not allow_older and version <= newest:
+        raise ValueError(
+            f"update_weights: version {version} is not newer than the engine's version "
+            f"{newest} (live {live}); versions must strictly increase, a stale or duplicate "
+            "update is never applied")
 
 
 def _finite(x) -> bool:

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
-                                           completion_from_chunks)
+                                           check_version_order, completion_from_chunks,
+                                           has_ready, take_ready)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
 from pipelinerl_jax.rollout.sampling import RowParams
 from pipelinerl_jax.types import Completion, GenerationRequest
@@ -175,26 +176,13 @@ class SlotScheduler:
         """Finished samples (of `request_ids` only, when given), waiting up to `timeout`
         (None: until one is ready) unless the scheduler stopped."""
         deadline = None if timeout is None else time.monotonic() + timeout
-
-        def ready():
-            if request_ids is None:
-                return list(self._outbox)
-            return [c for c in self._outbox if c.request_id in request_ids]
-
         with self._cv:
-            while not (mine := ready()):
+            while not has_ready(self._outbox, request_ids):
                 left = None if deadline is None else deadline - time.monotonic()
                 if (left is not None and left <= 0) or self._closed or self._error:
                     break
                 self._cv.wait(left)
-            mine = mine if max_items is None else mine[:max_items]
-            if request_ids is None:
-                for _ in mine:
-                    self._outbox.popleft()
-            else:
-                for c in mine:
-                    self._outbox.remove(c)
-            return mine
+            return take_ready(self._outbox, request_ids, max_items)
 
     def abort(self, request_id: str) -> int:
         """Ends a request's queued and running samples with 'abort'; returns how many."""
@@ -224,11 +212,7 @@ class SlotScheduler:
     def _check_newer(self, version: int, allow_older: bool) -> None:  # holds _cv
         if self._closed:
             raise EngineClosedError(f"engine {self.engine_id} is closed")
-        if not allow_older and version <= self._newest_version:
-            raise ValueError(
-                f"update_weights: version {version} is not newer than the engine's version "
-                f"{self._newest_version} (live {self._version}); versions must strictly "
-                "increase, a stale or duplicate update is never applied")
+        check_version_order(version, self._newest_version, self._version, allow_older)
 
     def stage_update(self, params, version: int, allow_older: bool = False) -> None:
         """Makes `params` the pending update, applied at the next step boundary (a pending

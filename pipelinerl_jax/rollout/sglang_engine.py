@@ -66,7 +66,8 @@ import numpy as np
 from pipelinerl_jax.models import write_hf_dir
 from pipelinerl_jax.models.factory import resolve_model_config
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
-                                           completion_from_chunks, validate_request)
+                                           completion_from_chunks, has_ready, take_ready,
+                                           validate_request)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
 from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
                                                   require_endpoints)
@@ -203,13 +204,8 @@ class SGLangEngine(InferenceEngine):
             return sorted(self._failures if request_ids is None
                           else set(self._failures) & set(request_ids))
 
-        def ready():
-            if request_ids is None:
-                return list(self._outbox)
-            return [c for c in self._outbox if c.request_id in request_ids]
-
         with self._cv:
-            while not (mine := ready()) and not failed():
+            while not has_ready(self._outbox, request_ids) and not failed():
                 left = None if deadline is None else deadline - time.monotonic()
                 if (left is not None and left <= 0) or self._closed:
                     break
@@ -218,14 +214,7 @@ class SGLangEngine(InferenceEngine):
             if bad:
                 rid = next(iter(self._failures)) if request_ids is None else bad[0]
                 raise RequestError(self._failures.pop(rid), request_id=rid)
-            mine = mine if max_items is None else mine[:max_items]
-            if request_ids is None:
-                for _ in mine:
-                    self._outbox.popleft()
-            else:
-                for c in mine:
-                    self._outbox.remove(c)
-            return mine
+            return take_ready(self._outbox, request_ids, max_items)
 
     def abort(self, request_id: str) -> int:
         """Queued samples end at once; running ones when their server answers the abort

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pipelinerl_jax.rollout.engine import EngineClosedError
+from pipelinerl_jax.rollout.engine import EngineClosedError, check_version_order
 from pipelinerl_jax.rollout.engine_stats import StatsWindow
 from pipelinerl_jax.rollout.sglang_client import HTTPError, ServerClient, ServerUnavailable
 from pipelinerl_jax.rollout.sglang_protocol import version_of
@@ -261,11 +261,7 @@ class ServerFleet:
     def _check_newer(self, version: int, allow_older: bool) -> None:  # holds cv
         if self._stop.is_set():
             raise EngineClosedError(f"engine {self.name} is closed")
-        if not allow_older and version <= self._newest:
-            raise ValueError(
-                f"update_weights: version {version} is not newer than the engine's version "
-                f"{self._newest} (live {self._version}); versions must strictly increase, a "
-                "stale or duplicate update is never applied")
+        check_version_order(version, self._newest, self._version, allow_older)
 
     def refit(self, path: str, version: int, *, wait: bool = True,
               timeout: Optional[float] = None, allow_older: bool = False) -> None:
