@@ -63,10 +63,8 @@ _COMMON = {"name": "calculator", "truncated_reward": 0.0, "tool_latency_s": 0.0}
 
 def _defaults() -> dict:
     """Every registered environment's keys at their defaults, plus the common and runner ones."""
-    parts = {"common": _COMMON, "runner": RUNNER_DEFAULTS}
-    for module in REGISTRY.values():
-        parts.setdefault(module.__name__.rsplit(".", 1)[-1], module.DEFAULTS)
-    return tasks.merge_defaults(parts)
+    return tasks.merge_defaults({"common": _COMMON, "runner": RUNNER_DEFAULTS},
+                                REGISTRY.values())
 
 
 def env_config(name: str = "calculator", **overrides: Any) -> ml_collections.ConfigDict:

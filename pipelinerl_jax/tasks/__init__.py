@@ -17,7 +17,7 @@ keys are errors, so typos never pass silently.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterable
 
 import ml_collections
 
@@ -46,11 +46,15 @@ REGISTRY: dict[str, ModuleType] = {
 _COMMON = {"name": "reverse", "truncated_reward": 0.0}
 
 
-def merge_defaults(parts: dict) -> dict:
-    """One flat defaults dict from each task module's `DEFAULTS` (`{owner: defaults}`).
+def merge_defaults(parts: dict, modules: Iterable[ModuleType] = ()) -> dict:
+    """One flat defaults dict from `parts` (`{owner: defaults}`) and each of `modules`' (a
+    registry's values) `DEFAULTS`, owned by the module's name.
 
     Two owners may share a key only with the same default: otherwise whichever came last
     would silently decide the other task's default, so that is an error at import time."""
+    parts = dict(parts)
+    for module in modules:
+        parts.setdefault(module.__name__.rsplit(".", 1)[-1], module.DEFAULTS)
     merged: dict = {}
     owner_of: dict = {}
     for owner, defaults in parts.items():
@@ -65,10 +69,7 @@ def merge_defaults(parts: dict) -> dict:
 
 def _defaults() -> dict:
     """Every registered task's keys at their defaults, plus the common ones."""
-    parts = {"common": _COMMON}
-    for module in REGISTRY.values():
-        parts.setdefault(module.__name__.rsplit(".", 1)[-1], module.DEFAULTS)
-    return merge_defaults(parts)
+    return merge_defaults({"common": _COMMON}, REGISTRY.values())
 
 
 def task_config(name: str = "reverse", **overrides: Any) -> ml_collections.ConfigDict:
