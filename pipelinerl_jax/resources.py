@@ -19,6 +19,13 @@ Indices are chips on TPU (one JAX device per chip from v4 on), GPUs on GPU (posi
 launcher's own `CUDA_VISIBLE_DEVICES` when it has one), virtual devices and cores on CPU. The
 SFT warm start gets the learner's devices; the queue server (no JAX) is left as it is.
 
+The evaluator (held-out evaluation, `learner.eval_every` > 0) takes
+`resources.evaluator_devices` when given (e.g. "8": its own chip or GPU, so that it neither
+slows worker 0 nor, on TPU, falls back to the CPU); left "", it is placed as worker 0 (its
+cores and devices; the launcher then turns GPU preallocation off for it, and on TPU, where
+worker 0 holds the chips, keeps it on the CPU). With `sampler.kind='sglang'` it is an HTTP
+client of `sglang.eval_urls` and takes no devices.
+
 Workers. With W = `rollout.num_workers` workers and S sampler devices: when W divides S they
 split them (worker i takes the i-th block of S/W); when S divides W they share them (worker i
 takes device i mod S). Sharing a GPU needs `resources.gpu_memory_fraction` (every process on
@@ -62,6 +69,7 @@ def resources_config() -> ml_collections.ConfigDict:
         platform="auto",  # what *_devices index: 'auto' (detected) | 'cpu' | 'gpu' | 'tpu'
         learner_devices="",  # e.g. "0-3": the learner's (and SFT's) devices; "" = untouched
         sampler_devices="",  # e.g. "4-7": the rollout workers' (split or shared evenly)
+        evaluator_devices="",  # e.g. "8": the evaluator's own; "" = worker 0's (shared)
         host_devices=0,  # devices on this host; 0 = detect (gpu, tpu) or no limit (cpu)
         gpu_memory_fraction=0.0,  # per process on a GPU two processes share (0 = none)
         tpu_port=8476,  # learner's TPU_PROCESS_PORT; worker i uses tpu_port + 1 + i
@@ -173,11 +181,12 @@ def validate_resources(res, *, num_workers: int, sampler_kind: str, mesh_size: i
 # ============================================================================ the plan
 
 def plan(res, *, num_workers: int, sampler_kind: str = "jax") -> Dict[str, Optional[List[int]]]:
-    """{'learner': [...], 'worker0': [...], ...}: each process's device indices (None = its
-    environment is left as it is). Raises ConfigError when the workers cannot split or share
-    the sampler devices evenly."""
+    """{'learner': [...], 'worker0': [...], ..., 'evaluator': [...]}: each process's device
+    indices (None = its environment is left as it is; the evaluator's None = placed as worker
+    0). Raises ConfigError when the workers cannot split or share the sampler devices evenly."""
     learner = parse_indices(res.learner_devices, "resources.learner_devices") or None
     sampler = parse_indices(res.sampler_devices, "resources.sampler_devices")
+    evaluator = parse_indices(res.evaluator_devices, "resources.evaluator_devices") or None
     out: Dict[str, Optional[List[int]]] = {"learner": learner}
     s, w = len(sampler), num_workers
     for i in range(w):
@@ -192,7 +201,14 @@ def plan(res, *, num_workers: int, sampler_kind: str = "jax") -> Dict[str, Optio
                               f"the {s} devices of resources.sampler_devices="
                               f"{res.sampler_devices!r} evenly (need {s} % {w} == 0 or "
                               f"{w} % {s} == 0)")
+    out["evaluator"] = evaluator
     return out
+
+
+def _key(name: str) -> str:
+    """The config key that gives process `name` (of `plan`) its devices."""
+    return {"learner": "resources.learner_devices",
+            "evaluator": "resources.evaluator_devices"}.get(name, "resources.sampler_devices")
 
 
 def check_resources(res, *, platform: str, num_workers: int, sampler_kind: str = "jax",
@@ -212,13 +228,13 @@ def check_resources(res, *, platform: str, num_workers: int, sampler_kind: str =
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ConfigError(f"resources.{key}", f"must be an integer >= {lo}, got {v!r}")
     chip_bounds(res)
-    if res.tpu_port + num_workers > 65535:
+    if res.tpu_port + num_workers + 1 > 65535:
         raise ConfigError("resources.tpu_port", f"{res.tpu_port} + {num_workers} workers "
-                                                "runs past port 65535")
+                                                "+ the evaluator runs past port 65535")
     procs = plan(res, num_workers=num_workers, sampler_kind=sampler_kind)
     learner = procs["learner"]
     if host_devices:
-        for role in ("learner", "sampler"):
+        for role in ("learner", "sampler", "evaluator"):
             over = [d for d in parse_indices(res[f"{role}_devices"], "") if d >= host_devices]
             if over:
                 raise ConfigError(f"resources.{role}_devices", f"{res[f'{role}_devices']!r} "
@@ -234,6 +250,14 @@ def check_resources(res, *, platform: str, num_workers: int, sampler_kind: str =
         raise ConfigError("resources.sampler_devices", "must be '' with sampler.kind="
                           f"{sampler_kind!r}: the servers' GPUs are given to "
                           "scripts/launch_sglang.py --gpus")
+    if sampler_kind != "jax" and res.evaluator_devices:
+        raise ConfigError("resources.evaluator_devices", "must be '' with sampler.kind="
+                          f"{sampler_kind!r}: the evaluator samples from the servers of "
+                          "sglang.eval_urls")
+    if res.evaluator_devices and not res.learner_devices:
+        raise ConfigError("resources.evaluator_devices", f"needs resources.learner_devices and "
+                          f"resources.sampler_devices set too on {platform}: left '', the "
+                          f"learner and the workers would open every {platform} device")
     if sampler_kind == "jax" and bool(res.learner_devices) != bool(res.sampler_devices):
         unset = "sampler" if res.learner_devices else "learner"
         raise ConfigError(f"resources.{unset}_devices", f"must be set too on {platform}: "
@@ -245,8 +269,7 @@ def check_resources(res, *, platform: str, num_workers: int, sampler_kind: str =
         for name, chips in procs.items():
             if chips is None:
                 continue
-            key = "resources.learner_devices" if name == "learner" else "resources.sampler_devices"
-            n = len(chips)
+            key, n = _key(name), len(chips)
             if n not in bounds or chips != list(range(chips[0], chips[0] + n)) or chips[0] % n:
                 raise ConfigError(key, f"gives {name} chips {format_indices(chips)}: a TPU "
                                   f"process needs an aligned block of {sorted(bounds)} "
@@ -254,10 +277,13 @@ def check_resources(res, *, platform: str, num_workers: int, sampler_kind: str =
                                   "resources.tpu_chip_bounds)")
         if shared:
             d = min(shared)
-            raise ConfigError("resources.sampler_devices", f"TPU chip {d} would be opened by "
+            key = "resources.evaluator_devices" if d in (procs["evaluator"] or ()) \
+                else "resources.sampler_devices"
+            raise ConfigError(key, f"TPU chip {d} would be opened by "
                               f"{shared[d]} processes (resources.learner_devices="
                               f"{res.learner_devices!r}, resources.sampler_devices="
-                              f"{res.sampler_devices!r}, rollout.num_workers={num_workers}); "
+                              f"{res.sampler_devices!r}, resources.evaluator_devices="
+                              f"{res.evaluator_devices!r}, rollout.num_workers={num_workers}); "
                               "a chip belongs to one process")
     if platform == "gpu" and shared:
         d, n = max(shared.items(), key=lambda kv: kv[1])
@@ -284,7 +310,9 @@ def role_env(res, role: str, index: int = 0, *, num_workers: int = 1,
     if platform not in ("cpu", "gpu", "tpu"):
         raise ValueError(f"resources.platform must be resolved first, got {platform!r}")
     procs = plan(res, num_workers=num_workers, sampler_kind=sampler_kind)
-    name = {"learner": "learner", "sft": "learner", "worker": f"worker{index}"}.get(role)
+    role, index = placed_as(procs, role, index)
+    name = {"learner": "learner", "sft": "learner", "worker": f"worker{index}",
+            "evaluator": "evaluator"}.get(role)
     devices = procs.get(name) if name else None
     if devices is None:
         if role == "worker" and sampler_kind != "jax" and procs["learner"] and platform != "cpu":
@@ -311,7 +339,8 @@ def role_env(res, role: str, index: int = 0, *, num_workers: int = 1,
         # jax/_src/test_multiprocess.py, and Skye Wanderman-Milne's
         # gist.github.com/skye/f82ba45d2445bb19d53545538754f9a3, "Non-communicating
         # processes"): each is a one-process slice over its own chips, with its own port.
-        port = res.tpu_port if name == "learner" else res.tpu_port + 1 + index
+        port = {"learner": res.tpu_port,
+                "evaluator": res.tpu_port + 1 + num_workers}.get(name, res.tpu_port + 1 + index)
         env.update({
             "TPU_VISIBLE_CHIPS": ",".join(map(str, devices)),
             "TPU_CHIPS_PER_PROCESS_BOUNDS": chip_bounds(res)[len(devices)],
@@ -327,7 +356,12 @@ def role_env(res, role: str, index: int = 0, *, num_workers: int = 1,
 def role_cores(res, role: str, index: int = 0, *, num_workers: int = 1,
                sampler_kind: str = "jax") -> List[int]:
     """The cores `role` pins itself to ([] = none): `resources.{learner,sampler}_cores`, else
-    on CPU its device indices. The SFT warm start and the queue are not pinned."""
+    on CPU its device indices; an evaluator with its own devices pins to those on CPU, and
+    to none elsewhere. The SFT warm start and the queue are not pinned."""
+    procs = plan(res, num_workers=num_workers, sampler_kind=sampler_kind)
+    role, index = placed_as(procs, role, index)
+    if role == "evaluator":
+        return (procs["evaluator"] or []) if res.platform == "cpu" else []
     if role not in ("learner", "worker"):
         return []
     key = "learner_cores" if role == "learner" else "sampler_cores"
@@ -335,7 +369,16 @@ def role_cores(res, role: str, index: int = 0, *, num_workers: int = 1,
     if cores or res.platform != "cpu":
         return cores
     name = "learner" if role == "learner" else f"worker{index}"
-    return plan(res, num_workers=num_workers, sampler_kind=sampler_kind)[name] or []
+    return procs[name] or []
+
+
+def placed_as(procs: Mapping[str, Optional[List[int]]], role: str, index: int):
+    """(role, index) whose cores and devices `role` gets: an evaluator without its own
+    devices (`resources.evaluator_devices` = "") samples where the rollout workers do, on
+    worker 0's."""
+    if role == "evaluator" and not procs.get("evaluator"):
+        return "worker", 0
+    return role, index
 
 
 def describe(res, *, num_workers: int, sampler_kind: str = "jax") -> str:

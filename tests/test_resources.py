@@ -97,6 +97,46 @@ def test_tpu_v5e8_split_four_and_four_as_libtpu_documents():
     assert _env(res, "worker", 1, workers=2)["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,2,1"
 
 
+# ============================================================================ the evaluator
+
+def test_an_evaluator_with_its_own_devices_gets_them_and_otherwise_worker_0s():
+    # TPU v5e-8: learner 0-3, worker 4-5, evaluator 6 (its own chip and port, not the CPU).
+    res = _res(platform="tpu", learner_devices="0-3", sampler_devices="4-5",
+               evaluator_devices="6")
+    resources.check_resources(res, platform="tpu", num_workers=1, host_devices=8)
+    ev = _env(res, "evaluator")
+    assert (ev["TPU_VISIBLE_CHIPS"], ev["TPU_CHIPS_PER_PROCESS_BOUNDS"], ev["TPU_PROCESS_PORT"],
+            ev["TPU_PROCESS_ADDRESSES"]) == ("6", "1,1,1", "8478", "localhost:8478")
+    assert _env(res, "worker")["TPU_PROCESS_PORT"] == "8477"  # one port per process
+    shared = _res(platform="tpu", learner_devices="0-3", sampler_devices="4-7")
+    assert _env(shared, "evaluator") == _env(shared, "worker")  # "" = placed as worker 0
+    # GPU: its own GPU keeps preallocation; sharing the learner's needs a fraction.
+    res = _res(platform="gpu", learner_devices="0-5", sampler_devices="6", evaluator_devices="7")
+    assert _env(res, "evaluator") == {"CUDA_VISIBLE_DEVICES": "7"}
+    res = _res(platform="gpu", learner_devices="0", sampler_devices="1", evaluator_devices="0",
+               gpu_memory_fraction=0.45)
+    assert _env(res, "evaluator")["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"
+    assert _env(res, "learner")["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    # CPU: its device count and its cores; without devices, worker 0's cores.
+    res = _res(platform="cpu", learner_devices="0-1", sampler_devices="2", evaluator_devices="3")
+    assert _env(res, "evaluator")["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+    assert resources.role_cores(res, "evaluator") == [3]
+    assert resources.role_cores(_res(platform="cpu", learner_devices="0-1",
+                                     sampler_devices="2"), "evaluator") == [2]
+    assert "evaluator 3" in resources.describe(res, num_workers=1)
+
+
+def test_the_launcher_keeps_a_sharing_evaluator_off_a_tpu_chip_but_not_one_with_its_own(
+        monkeypatch):
+    cfg = run_config.base_config()
+    cfg.resources.update(platform="tpu", learner_devices="0-3", sampler_devices="4-7")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert launcher.child_env(cfg, "evaluator")["JAX_PLATFORMS"] == "cpu"
+    cfg.resources.update(sampler_devices="4-5", evaluator_devices="6")
+    env = launcher.child_env(cfg, "evaluator")
+    assert "JAX_PLATFORMS" not in env and env["TPU_VISIBLE_CHIPS"] == "6"
+
+
 # ============================================================================ CPU
 
 def test_cpu_devices_are_a_device_count_and_the_cores_to_pin():
@@ -160,6 +200,21 @@ def _default():
 
 
 @pytest.mark.parametrize("res,extra,match", [
+    (dict(platform="tpu", learner_devices="0-3", sampler_devices="4-7", evaluator_devices="7"),
+     {}, r"^resources\.evaluator_devices: TPU chip 7 would be opened by 2 processes"),
+    (dict(platform="tpu", learner_devices="0-3", sampler_devices="4-5", evaluator_devices="8"),
+     {"resources.host_devices": 8}, r"^resources\.evaluator_devices: '8' names device 8"),
+    (dict(platform="tpu", learner_devices="0-3", sampler_devices="4-5",
+          evaluator_devices="5-7"), {},
+     r"^resources\.evaluator_devices: gives evaluator chips 5-7: a TPU process needs"),
+    (dict(platform="gpu", evaluator_devices="7"), {},
+     r"^resources\.evaluator_devices: needs resources\.learner_devices"),
+    (dict(platform="gpu", learner_devices="0", sampler_devices="1", evaluator_devices="0"), {},
+     r"^resources\.gpu_memory_fraction: GPU 0 is shared by 2 processes"),
+    (dict(platform="gpu", learner_devices="0-6", evaluator_devices="7"),
+     {"sampler.kind": "sglang", "sglang.urls": ("http://127.0.0.1:30000",),
+      "sglang.eval_urls": ("http://127.0.0.1:30001",)},
+     r"^resources\.evaluator_devices: must be '' with sampler\.kind='sglang'"),
     (dict(learner_devices="0-x"), {}, r"^resources\.learner_devices: must look like"),
     (dict(sampler_devices="3-1"), {}, r"^resources\.sampler_devices: must look like"),
     (dict(learner_devices="0,0"), {}, r"^resources\.learner_devices: names an index twice"),
@@ -209,6 +264,10 @@ def test_a_split_that_cannot_work_fails_before_start_naming_the_key(res, extra, 
     (dict(platform="gpu", learner_devices="0-3", sampler_devices="4-7"), 4),
     (dict(platform="gpu", learner_devices="0", sampler_devices="0", gpu_memory_fraction=0.45), 1),
     (dict(platform="cpu", learner_devices="0-1", sampler_devices="0-1"), 2),  # cores shared
+    (dict(platform="tpu", learner_devices="0-3", sampler_devices="4-5", evaluator_devices="6"),
+     1),
+    (dict(platform="gpu", learner_devices="0", sampler_devices="1", evaluator_devices="1",
+          gpu_memory_fraction=0.45), 1),
 ])
 def test_splits_that_work_validate(res, workers):
     cfg = _default()

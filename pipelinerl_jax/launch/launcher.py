@@ -165,15 +165,15 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
 
 
 def child_env(cfg, role: str, index: int = 0) -> dict:
-    """This process's environment plus the accelerators of `role` (resources.role_env). The
-    evaluator gets worker 0's (roles.placed_as); on a GPU it shares with that worker it does
-    not preallocate memory, and a TPU chip, which one process only can open, leaves it on
-    the CPU."""
-    place_role, place_index = roles.placed_as(role, index)
-    env = resources.role_env(cfg.resources, place_role, place_index,
+    """This process's environment plus the accelerators of `role` (resources.role_env). An
+    evaluator without `resources.evaluator_devices` gets worker 0's (resources.placed_as):
+    on a GPU it shares with that worker it does not preallocate memory, and a TPU chip, which
+    one process only can open, leaves it on the CPU."""
+    env = resources.role_env(cfg.resources, role, index,
                              num_workers=cfg.rollout.num_workers,
                              sampler_kind=cfg.sampler.kind, base=os.environ)
-    if role == "evaluator" and env != dict(os.environ):
+    shares = role == "evaluator" and not cfg.resources.evaluator_devices
+    if shares and env != dict(os.environ):
         if cfg.resources.platform == "gpu" and "CUDA_VISIBLE_DEVICES" in env:
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         elif cfg.resources.platform == "tpu" and "TPU_VISIBLE_CHIPS" in env:

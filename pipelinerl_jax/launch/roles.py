@@ -8,8 +8,8 @@ given its config instead, see __main__.py and standalone.py), pins itself to its
 pool to them, and stops cleanly on SIGTERM. Its accelerators come in its environment (the
 launcher's `resources.role_env`: visible GPUs or TPU chips, a CPU device count). The SFT
 role's DIR is the warm-start directory (`RUN/warm_start`); it writes `DIR/model`. The
-evaluator (rollout/eval_role.py) evaluates the versions the learner hands it, on worker 0's
-cores and devices, and ends once the learner's last version is evaluated. A learner
+evaluator (rollout/eval_role.py) evaluates the versions the learner hands it, on
+`resources.evaluator_devices` or else worker 0's cores and devices, and ends once the learner's last version is evaluated. A learner
 that stops on an exception leaves a `learner_stopped` record
 in `DIR/events.jsonl` first (outcome.py). Hence the imports inside functions here: nothing
 heavy may load before the pinning.
@@ -67,7 +67,7 @@ def pin(cfg, role: str, index: int = 0) -> List[int]:
     if not hasattr(os, "sched_setaffinity"):
         return []
     have = os.sched_getaffinity(0)
-    cores = [c for c in role_cores(cfg.resources, *placed_as(role, index),
+    cores = [c for c in role_cores(cfg.resources, role, index,
                                    num_workers=cfg.rollout.num_workers,
                                    sampler_kind=cfg.sampler.kind) if c in have]
     if cores:
@@ -134,12 +134,6 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
     if role == "worker":
         return _run_worker(cfg, workdir, index, init_ckpt, stop)
     raise LaunchError(f"unknown role {role!r}")
-
-
-def placed_as(role: str, index: int):
-    """(role, index) whose cores and devices `role` gets: the evaluator samples where the
-    rollout workers do, on worker 0's."""
-    return ("worker", 0) if role == "evaluator" else (role, index)
 
 
 def eval_outbox(cfg, workdir: str, init_ckpt: str):
