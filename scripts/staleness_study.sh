@@ -5,6 +5,7 @@
 #
 #   bash scripts/staleness_study.sh ROOT [FIRST_SEED] [LAST_SEED]
 #   FINISHED=1 bash scripts/staleness_study.sh ROOT ...   # skip the committed runs too
+#   ONLY=main bash scripts/staleness_study.sh ROOT 1 9      # one grid's seeds first
 #
 # Grids, per seed: the full grid (configs/ablate/staleness.py: 10 loss arms x 7 lags), its
 # learning-rate-5e-5 subgrid (:lowlr, 7 arms x 7 lags), the tinker KL repro (lag 3, in the
@@ -35,10 +36,13 @@ grid() {  # grid NAME CONFIG SEED: runs already committed under results/stalenes
 }
 # In a later sitting, on a machine without the earlier workdirs, FINISHED=1 skips the runs
 # that scripts/export_results.py committed (results/staleness_study/{main,lowlr,dppo}).
+# ONLY=main|lowlr|tinker|dppo runs that grid alone: resolution (the full grid's seeds) comes
+# first, the subgrids after (sitting 3 ran `ONLY=main ... 1 9`, then the whole script).
+want() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
 for seed in $(seq "$FIRST" "$LAST"); do
-  grid main configs/ablate/staleness.py "$seed"
-  grid lowlr configs/ablate/staleness.py:lowlr "$seed"
-  grid main configs/repro/tinker_kl.py "$seed"   # its lag-0 ppo runs are the grid's
-  grid dppo configs/repro/decoupled_ppo.py "$seed"
+  want main && grid main configs/ablate/staleness.py "$seed"
+  want lowlr && grid lowlr configs/ablate/staleness.py:lowlr "$seed"
+  want tinker && grid main configs/repro/tinker_kl.py "$seed"   # its lag-0 ppo runs are the grid's
+  want dppo && grid dppo configs/repro/decoupled_ppo.py "$seed"
 done
 echo "=== $(date -u +%H:%M:%S) done: seeds $FIRST-$LAST"
