@@ -57,7 +57,7 @@ def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_check.sh"), "--cpu",
                            f"--out={out}", f"--workdir={work}"], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=900)
+                          text=True, env=env, cwd=ROOT, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     result = json.loads(lines[-1])
     assert proc.returncode == 0, json.dumps(result)[-3000:]
