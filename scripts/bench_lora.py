@@ -43,7 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from pipelinerl_jax import sharding  # noqa: E402
 from pipelinerl_jax.learner import batching, loop, train_step as ts  # noqa: E402
-from pipelinerl_jax.models import Decoder, config_qwen2_5_0_5b, flat_params, tiny_config  # noqa: E402
+from pipelinerl_jax.models import (Decoder, config_qwen2_5_0_5b, flat_params,  # noqa: E402
+                                   tiny_config)
 from pipelinerl_jax.models.lora import LoRASpec, add_lora  # noqa: E402
 from pipelinerl_jax.run_config import base_config  # noqa: E402
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber  # noqa: E402
