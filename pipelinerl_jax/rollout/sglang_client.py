@@ -277,7 +277,7 @@ def require_lora_server(clients, rank: int, targets, timeout: float = 10.0) -> N
             info = c.get("/get_server_info", timeout=timeout, retries=1) or {}
         except (HTTPError, ServerUnavailable):
             continue
-        if not info.get("enable_lora"):
+        if "enable_lora" in info and not info["enable_lora"]:  # (absent: not reported)
             gaps.append(f"{c.url} was not launched with --enable-lora")
             continue
         max_rank = info.get("max_lora_rank")
