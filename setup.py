@@ -39,6 +39,7 @@ setup(
             "grpcio-tools>=1.85.1,<2",  # regenerates the proto modules (gen_proto)
             "cryptography>=42,<50",  # self-signed TLS pairs in tests
             "torch==2.13.0",
+            "peft>=0.21.2,<0.22",  # loads our exported LoRA adapters in the parity test
         ],
         # GPU hosts that launch SGLang servers; never needed on CPU.
         "sglang": ["sglang[all]>=0.5"],

@@ -6,8 +6,8 @@ JaxEngine merges each version into its copy of the warm-started base (docs/lora.
     python experiments/train.py --config=configs/default_lora.py:quick --workdir=/tmp/lq  # smoke
 
 The learning rate is LoRA's usual ~10x full fine-tuning's (B starts at zero, and the update
-is scaled by alpha / rank); it is not tuned yet: the held-out comparison with full
-fine-tuning (issue 26) is still to run.
+is scaled by alpha / rank); it is not tuned. Seed 0: held-out 36.3% -> 63.3% after 200 steps,
+90% of full fine-tuning's gain from the same warm start (docs/lora.md, one seed).
 """
 from configs import default
 

@@ -236,10 +236,13 @@ def _validate_lora_run(cfg) -> None:
     """What a LoRA run needs of the rest of the config (docs/lora.md: what is built)."""
     if not cfg.lora.enabled:
         return
-    if cfg.sampler.kind != "jax":
+    if cfg.sampler.kind not in ("jax", "sglang"):
         raise ConfigError("lora.enabled", f"adapter-only publication reaches the embedded "
-                          f"JaxEngine only (sampler.kind='jax'), not "
+                          f"JaxEngine (sampler.kind='jax') and SGLang servers launched with "
+                          f"--enable-lora (sampler.kind='sglang'), not "
                           f"sampler.kind={cfg.sampler.kind!r}")
+    # sglang-jax servers (sampler.kind='sglang' too) have no /load_lora_adapter: the engine
+    # refuses them at start-up, naming the server (sglang_client.LORA_HINT).
 
 
 def validate(cfg) -> None:

@@ -13,6 +13,9 @@ it holds no device memory):
           project's modules imported (import errors named). Nothing is fetched.
   model   scripts/bench_real_size.py --only learner: the train step on the Qwen2.5-0.5B shape
           (bf16 compute), MFU against the bf16 matmul peak measured in the same process.
+  lora    scripts/bench_lora.py: full fine-tuning vs LoRA (rank 16, every projection) on the
+          Qwen2.5-0.5B shape: bytes per published version and learner state (exact, from
+          shapes), the train step (compile apart) and publication over the weight stream.
   engine  scripts/bench_real_size.py --only engine: JaxEngine decode tokens/s at batch 1/8/32
           against the bandwidth and compute rooflines measured in the same process.
   train   experiments/train.py --config=configs/default.py for 20 RL steps (a 30-step warm
@@ -49,11 +52,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEELS = os.path.join(ROOT, ".whl")
-PARTS = ("env", "model", "engine", "train")
-# Seconds per part; the GPU total stays under 8 minutes with room for process start-up.
-LIMITS = {"gpu": {"env": 60, "model": 150, "engine": 100, "train": 170},
-          "cpu": {"env": 60, "model": 180, "engine": 120, "train": 300}}
-TOTAL_S = {"gpu": 465, "cpu": 900}
+PARTS = ("env", "model", "lora", "engine", "train")
+# Seconds per part; the GPU total stays under 10 minutes with room for process start-up.
+LIMITS = {"gpu": {"env": 60, "model": 150, "lora": 110, "engine": 100, "train": 170},
+          "cpu": {"env": 60, "model": 180, "lora": 240, "engine": 120, "train": 300}}
+TOTAL_S = {"gpu": 575, "cpu": 1140}
 GRACE_S = 20  # of a part's limit, between SIGTERM and SIGKILL
 # Distributions whose wheels `--download-wheels` fetches: the accelerator image (KINDS.md)
 # lacks the first three; the others it has, perhaps in a version outside setup.py's range.
@@ -272,6 +275,27 @@ def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
     return out
 
 
+def part_lora(r: Runner) -> dict:
+    cmd = [sys.executable, "scripts/bench_lora.py"] + (["--smoke"] if r.mode == "cpu" else [])
+    res = r.run("lora", cmd, LIMITS[r.mode]["lora"])
+    data = _last_json(res["stdout"]) or {}
+    out = {"status": res["status"], "time_s": res.get("time_s")}
+    if "error" in res:
+        out["error"] = res["error"]
+    for k in ("model", "rank", "publish_bytes_ratio", "learner_state_bytes_ratio"):
+        if k in data:
+            out[k] = data[k]
+    timed = data.get("timed") or {}
+    for k in ("layers", "step_s_ratio", "publish_s_ratio"):
+        if k in timed:
+            out[k] = timed[k]
+    for kind in ("full", "lora"):
+        for k in ("compile_s", "step_s", "publish_s"):
+            if k in timed.get(kind, {}):
+                out[f"{kind}_{k}"] = timed[kind][k]
+    return out
+
+
 def train_overrides(mode: str, steps: int) -> list:
     o = {"learner.total_steps": steps, "learner.eval_every": steps,
          "learner.checkpoint_every": steps, "resources.learner_devices": "0"}
@@ -370,6 +394,7 @@ def main(argv=None) -> int:
     result = {"device_check": 1, "mode": mode}
     parts = {"env": lambda: part_env(r, install=mode != "cpu" and not a.no_install),
              "model": lambda: part_bench(r, "model", bench_dir, a.param_dtype),
+             "lora": lambda: part_lora(r),
              "engine": lambda: part_bench(r, "engine", bench_dir, a.param_dtype),
              "train": lambda: part_train(r, workdir, a.steps or TRAIN_STEPS[mode])}
     bench_dir = os.path.join(workdir, "bench")

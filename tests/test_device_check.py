@@ -57,21 +57,24 @@ def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_check.sh"), "--cpu",
                            f"--out={out}", f"--workdir={work}"], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=900)
+                          text=True, env=env, cwd=ROOT, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     result = json.loads(lines[-1])
     assert proc.returncode == 0, json.dumps(result)[-3000:]
     assert json.loads((out / "device_check.json").read_text()) == result
     assert result["mode"] == "cpu" and result["ok"] is True
-    assert {"env", "model", "engine", "train"} <= set(result)
-    assert all(result[k]["status"] == "ok" for k in ("env", "model", "engine", "train"))
+    assert {"env", "model", "lora", "engine", "train"} <= set(result)
+    assert all(result[k]["status"] == "ok" for k in ("env", "model", "lora", "engine", "train"))
     assert result["env"]["backend"] == "cpu" and result["env"]["requirements_unmet"] == {}
     model = result["model"]
     assert model["step_s"] > 0 and 0 < model["mfu"] < 2 and model["peaks"]["matmul_gflops"] > 0
+    lora = result["lora"]
+    assert 0 < lora["publish_bytes_ratio"] < 1 and 0 < lora["learner_state_bytes_ratio"] < 1
+    assert lora["full_step_s"] > 0 and lora["lora_step_s"] > 0 and lora["lora_compile_s"] > 0
     engine = result["engine"]
     assert all(engine[f"batch_{b}"]["tokens_per_s"] > 0 for b in (1, 8))
     train = result["train"]
     assert train["steps"] == train["steps_wanted"] == device_check.TRAIN_STEPS["cpu"]
     assert train["step_time_s"] > 0 and train["tokens_per_s"] > 0
-    for part in ("env", "model", "engine", "train"):
+    for part in ("env", "model", "lora", "engine", "train"):
         assert (out / f"{part}.log").exists()

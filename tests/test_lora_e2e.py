@@ -59,3 +59,51 @@ def test_lora_pipeline_publishes_adapters_and_checkpoints_only_them(tmp_path):
               config="default_lora.py")
     steps = [r for r in read_jsonl(workdir / "metrics.jsonl") if r["step"] > 0]
     assert [r["step"] for r in steps][-2:] == [5, 6]
+
+
+def test_lora_pipeline_with_sglang_samplers_loads_an_adapter_per_version(tmp_path):
+    """`sampler.kind=sglang` with LoRA: the learner writes a PEFT directory per version, the
+    workers' servers load each (`/load_lora_adapter`, test servers with --enable-lora and
+    --stub) and every request names the newest; the evaluator's server gets merged HF
+    directories through /update_weights_from_disk."""
+    import json
+
+    from pipelinerl_jax.testing.sglang_process import ServerProcess
+    init = make_init_checkpoint(str(tmp_path / "init"))
+    shape = ('{"max_slots": 8, "max_seq_len": 32, "prefill_buckets": [32], '
+             '"cache_buckets": [32], "max_prefill_batch": 2}')
+    lora_args = ["--stub", "--model-path", init, "--port", "0", "--enable-lora",
+                 "--max-lora-rank", "2", "--lora-target-modules", "all"]
+    servers = [ServerProcess(lora_args, wait_ready=False) for _ in range(2)]
+    servers.append(ServerProcess(["--model-path", init, "--port", "0", "--weight-version", "0",
+                                  "--engine", shape], wait_ready=False))
+    try:
+        for s in servers:
+            s.wait_ready()
+        urls = ",".join(f"'{s.url}'" for s in servers[:2])
+        workdir = tmp_path / "run"
+        run_train(workdir, "--config.sampler.kind=sglang", f"--config.sglang.urls=({urls},)",
+                  f"--config.sglang.eval_urls=('{servers[2].url}',)",
+                  f"--config.warm_start.checkpoint={init}", "--config.max_lag=1",
+                  "--config.learner.total_steps=3", "--config.learner.eval_every=2",
+                  "--config.learner.checkpoint_every=3", "--config.lora.rank=2",
+                  config="default_lora.py")
+        steps = [r for r in read_jsonl(workdir / "metrics.jsonl") if r["step"] > 0]
+        assert [r["version"] for r in steps] == [1, 2, 3]
+        assert all(r["lag/max"] <= 1 for r in steps)
+        last = sorted(os.listdir(workdir / "weights"))[-1]
+        assert last == "v00000003"
+        config = json.load(open(workdir / "weights" / last / "adapter_config.json"))
+        assert config["r"] == 2 and config["peft_type"] == "LORA"
+        for s in servers[:2]:
+            stats = s.stats()
+            assert stats["lora_counts"]["load_lora_adapter"] >= 2  # a version loaded each time
+            assert len(stats["lora_loaded"]) <= 2  # old ones unloaded
+            named = {r["lora_path"] for r in s.record()}
+            assert named and all(n is None or n.startswith("v") for n in named)
+        assert any(r["lora_path"] for s in servers[:2] for r in s.record())
+        assert [r["version"] for r in read_jsonl(workdir / "eval.jsonl")] == [0, 2, 3]
+        assert servers[2].call("GET", "/get_weight_version")["weight_version"] == "3"
+    finally:
+        for s in servers:
+            s.kill()

@@ -187,6 +187,21 @@ class Checkpointer:
             history = {v: jax.device_get(out["history"][f"v{v}"]) for v in versions}
         return out["state"], meta, step, history
 
+    def read_state(self, step: Optional[int] = None) -> Tuple[dict, dict, int]:
+        """(state, meta, step) of `step` (default: latest) as saved, without a target: the
+        state's fields (`params`, `opt_state`, `step`) as nested dicts of host arrays. For
+        tools reading a finished run (scripts/export_lora.py); a resuming learner uses
+        `restore`, which places every array like its own state."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if step not in self._committed:
+            raise FileNotFoundError(f"no complete checkpoint of step {step} in "
+                                    f"{self.directory} (complete: {sorted(self._committed)})")
+        out = self._mngr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+        return jax.device_get(out["state"]), dict(out["meta"]), step
+
     def close(self) -> None:
         """Waits for a pending save, then closes. A failure raised to the caller already is
         not raised again (orbax keeps a failed save's error and repeats it on close)."""

@@ -16,7 +16,8 @@ the statuses SGLang uses for "not now" (502/503/504, e.g. /health while starting
 up to `max_retries` times; then `ServerUnavailable` is raised. Any other non-2xx raises
 `HTTPError` carrying the server's own message (SGLang answers errors as
 `{"error": {"message": ...}}`, validation errors as `{"message": ...}`, control endpoints as
-`{"success": false, "message": ...}`).
+`{"success": false, "message": ...}`, LoRA loads and unloads as `{"success": false,
+"error_message": ...}`: `io_struct.LoRAUpdateOutput`).
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def error_message(body: bytes) -> str:
         err = obj.get("error")
         if isinstance(err, dict) and err.get("message"):
             return str(err["message"])
-        for key in ("message", "detail", "error"):
+        for key in ("message", "error_message", "detail", "error"):
             if obj.get(key):
                 return str(obj[key])
     return text[:2000]
@@ -236,9 +237,21 @@ def missing_endpoints(client: ServerClient, paths=REFIT_ENDPOINTS,
     return out
 
 
-def require_endpoints(clients, paths=REFIT_ENDPOINTS, why: str = "refits them") -> None:
+# What publishing LoRA adapters to a server takes (`SGLangEngine(lora=...)`).
+LORA_ENDPOINTS = ("/load_lora_adapter", "/unload_lora_adapter")
+REFIT_HINT = ("sglang-jax has no weight-update endpoint: sample with the embedded engine "
+              "(sampler.kind='jax') or from SGLang servers that have it")
+LORA_HINT = ("sglang-jax serves LoRA adapters only from --lora-paths given at launch (merged "
+             "statically; no /load_lora_adapter), so it cannot take a new adapter every "
+             "version: with lora.enabled sample with the embedded engine (sampler.kind='jax') "
+             "or from SGLang servers launched with --enable-lora")
+
+
+def require_endpoints(clients, paths=REFIT_ENDPOINTS, why: str = "refits them",
+                      hint: str = REFIT_HINT) -> None:
     """Raises `MissingEndpointError` naming every server and endpoint it lacks (one probe
-    each, `missing_endpoints`); servers that do not answer are left to the caller."""
+    each, `missing_endpoints`), then `hint`; servers that do not answer are left to the
+    caller."""
     gaps = []
     for c in clients:
         try:
@@ -248,5 +261,38 @@ def require_endpoints(clients, paths=REFIT_ENDPOINTS, why: str = "refits them") 
     if gaps:
         raise MissingEndpointError(
             f"SGLang server(s) cannot serve this configuration, which {why}: {'; '.join(gaps)} "
-            "(HTTP 404). sglang-jax has no weight-update endpoint: sample with the embedded "
-            "engine (sampler.kind='jax') or from SGLang servers that have it")
+            f"(HTTP 404). {hint}")
+
+
+def require_lora_server(clients, rank: int, targets, timeout: float = 10.0) -> None:
+    """Raises `MissingEndpointError` unless every server (that answers) was launched to take
+    adapters of `rank` on `targets`: `/get_server_info` reports SGLang's server args
+    (`server_args.py`): `enable_lora`, `max_lora_rank`, `lora_target_modules` ('all' or a
+    list). A load outside them would fail at the first version (`lora_manager`
+    `validate_new_adapter`: rank above `--max-lora-rank`, or a module outside
+    `--lora-target-modules`); this says so at start-up."""
+    gaps = []
+    for c in clients:
+        try:
+            info = c.get("/get_server_info", timeout=timeout, retries=1) or {}
+        except (HTTPError, ServerUnavailable):
+            continue
+        if "enable_lora" in info and not info["enable_lora"]:  # (absent: not reported)
+            gaps.append(f"{c.url} was not launched with --enable-lora")
+            continue
+        max_rank = info.get("max_lora_rank")
+        if isinstance(max_rank, int) and max_rank < rank:
+            gaps.append(f"{c.url} has --max-lora-rank {max_rank} < lora.rank {rank}")
+        served = info.get("lora_target_modules")
+        if isinstance(served, str):
+            served = [served]
+        if served and "all" not in served:
+            missing = sorted(set(targets) - set(served))
+            if missing:
+                gaps.append(f"{c.url} has --lora-target-modules {sorted(served)}, without "
+                            f"{missing}")
+    if gaps:
+        raise MissingEndpointError(
+            f"SGLang server(s) cannot take this run's LoRA adapters (rank {rank}, targets "
+            f"{list(targets)}): {'; '.join(gaps)}. Launch them with --enable-lora "
+            f"--max-lora-rank {rank} --lora-target-modules {' '.join(targets)}")

@@ -48,6 +48,17 @@ with finish reason 'abort' and counted (`on_abort='drop'`: the group stays whole
 treats it as truncated). A server that stays unreachable is removed from routing and its
 requests go to the others (`sglang_servers.py`).
 
+LoRA (`lora=LoRASpec`, docs/lora.md): a version is the adapters only, as a PEFT directory
+(`models.peft_io`; the learner's 'hf_dir' sink writes one per version, arrays are written
+here). The fleet loads it with `/load_lora_adapter` under a version-named adapter (no pause)
+and every request sent afterwards names it (`lora_path`); a request runs to its end on the
+adapter it was admitted with, so every token's `version` and `kv_version` is that adapter's
+(exact; the servers' `weight_version` labels only their base). Old adapters are unloaded once
+no request of ours uses them. At start-up the servers must have `/load_lora_adapter` and
+`/unload_lora_adapter` (sglang-jax has neither: refused, naming it) and report, in
+`/get_server_info`, `--enable-lora` with a `--max-lora-rank` and `--lora-target-modules`
+that fit the spec.
+
 `make_sglang_engine` builds a rollout worker's engine: the 'sglang' row of `rollout/factory.py`
 (config section: `sglang_config.py`).
 """
@@ -64,13 +75,15 @@ from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from pipelinerl_jax.models import write_hf_dir
+from pipelinerl_jax.models.lora import LoRASpec, lora_spec
 from pipelinerl_jax.models.factory import resolve_model_config
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            completion_from_chunks, has_ready, take_ready,
                                            validate_request)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
-from pipelinerl_jax.rollout.sglang_client import (HTTPError, ServerClient, ServerUnavailable,
-                                                  require_endpoints)
+from pipelinerl_jax.rollout.sglang_client import (LORA_ENDPOINTS, LORA_HINT, HTTPError,
+                                                  ServerClient, ServerUnavailable,
+                                                  require_endpoints, require_lora_server)
 from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
 from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
                                                     answer_items, generate_body, parse_output)
@@ -94,6 +107,8 @@ class SGLangEngine(InferenceEngine):
     writes weights given as arrays (a path is used as is). `wait_ready=False` skips the
     startup wait for /health (every server is routed to at once). `require_refit`: fail now
     (`MissingEndpointError`, naming server and endpoint) if a server cannot be refit.
+    `lora`: versions are LoRA adapters of this spec (module docstring); `require_refit` then
+    probes the LoRA endpoints and server args instead.
 
     The engine owns the requests (queue, samples, answers, resubmits); its `ServerFleet`
     (`self.fleet`) owns the servers (routing, health, pause, refits and the live version).
@@ -103,7 +118,7 @@ class SGLangEngine(InferenceEngine):
                  vocab_size: int, max_seq_len: int, version: Optional[int] = None,
                  engine_id: str = "sglang", weights_dir: Optional[str] = None,
                  model_config: Any = None, wait_ready: bool = True,
-                 require_refit: bool = False):
+                 require_refit: bool = False, lora: Optional[LoRASpec] = None):
         cfg = sglang_config()
         if config is not None:
             cfg.update(dict(config))
@@ -113,6 +128,7 @@ class SGLangEngine(InferenceEngine):
         self.engine_id = engine_id
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
         self.weights_dir, self.model_config = weights_dir, model_config
+        self.lora = lora
         retry = RetryPolicy(cfg.backoff_initial_s, cfg.backoff_max_s)
         servers = [Server(ServerClient(u, connect_timeout_s=cfg.connect_timeout_s,
                                        max_retries=cfg.max_retries, retry=retry,
@@ -122,7 +138,8 @@ class SGLangEngine(InferenceEngine):
 
         self._cv = threading.Condition(threading.Lock())
         self._stop = threading.Event()
-        self.fleet = ServerFleet(servers, cfg, self._cv, self._stop, engine_id)
+        self.fleet = ServerFleet(servers, cfg, self._cv, self._stop, engine_id,
+                                 lora=lora is not None)
         self._pending: collections.deque = collections.deque()  # jobs not yet sent
         self._outbox: collections.deque = collections.deque()
         self._failures: Dict[str, str] = {}  # request id -> message (4xx, protocol)
@@ -134,7 +151,12 @@ class SGLangEngine(InferenceEngine):
         self._stats = StatsWindow()
 
         self.fleet.bring_up(wait_ready)
-        if require_refit:  # probed once, at start-up: never a failed refit mid-run
+        if require_refit and lora is not None:  # adapters: LoRA endpoints and server args
+            up = [s.client for s in servers if s.up]
+            require_endpoints(up, LORA_ENDPOINTS, "loads a LoRA adapter every version",
+                              LORA_HINT)
+            require_lora_server(up, lora.rank, lora.targets)
+        elif require_refit:  # probed once, at start-up: never a failed refit mid-run
             require_endpoints([s.client for s in servers if s.up])
         self.fleet.read_versions(version)
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -276,7 +298,8 @@ class SGLangEngine(InferenceEngine):
                                    timeout=self.config.request_timeout_s, stop=self._stop)
             segments = [parse_output(item, job, self.config.pause_mode,
                                      vocab_size=self.vocab_size,
-                                     max_tokens=smp.max_new - smp.n_generated)
+                                     max_tokens=smp.max_new - smp.n_generated,
+                                     lora=self.lora is not None)
                         for item, smp in zip(answer_items(answer, job), job.samples)]
         except ServerUnavailable as e:
             self.fleet.release(job)
@@ -404,8 +427,9 @@ class SGLangEngine(InferenceEngine):
     def update_weights(self, weights: Any, version: int, *, wait: bool = True,
                        timeout: Optional[float] = None, allow_older: bool = False) -> None:
         """Refits every server to `weights` (an HF directory, or arrays written to
-        `weights_dir/v{version:08d}` first). See `InferenceEngine.update_weights`;
-        `allow_older` permits going back to an older version (lag injection)."""
+        `weights_dir/v{version:08d}` first; LoRA: a PEFT adapter directory, or the adapters'
+        arrays). See `InferenceEngine.update_weights`; `allow_older` permits going back to an
+        older version (lag injection)."""
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
             raise ValueError(f"update_weights: version must be an integer, got {version!r}")
         version = int(version)
@@ -422,6 +446,12 @@ class SGLangEngine(InferenceEngine):
                              "model_config=...) to be written as an HF directory; pass a "
                              "checkpoint directory instead")
         # Appears atomically (a server never loads half a version); an older copy is replaced.
+        if self.lora is not None:
+            from pipelinerl_jax.models.peft_io import write_peft_dir
+            return write_versioned_dir(
+                self.weights_dir, version,
+                lambda d: write_peft_dir(weights, self.model_config, self.lora, d),
+                overwrite=True)
         return write_versioned_dir(
             self.weights_dir, version,
             lambda d: write_hf_dir(weights, self.model_config, d), overwrite=True)
@@ -509,4 +539,4 @@ def make_sglang_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> S
                         max_seq_len=cfg.sglang.max_seq_len, version=-1,
                         engine_id=f"sglang-{index}",
                         weights_dir=weight_sink.weights_dir(cfg, workdir), model_config=model_cfg,
-                        require_refit=True)
+                        require_refit=True, lora=lora_spec(cfg))

@@ -77,6 +77,7 @@ class Job:
     reroutes: int = 0
     server: Any = None  # the engine's server record, once sent
     sent_version: Optional[int] = None  # that server's version when the job was sent
+    adapter: Optional[str] = None  # LoRA: the adapter the job names (`lora_path`), if any
 
 
 def sample_rid(job: Job, smp: Sample) -> str:
@@ -110,6 +111,9 @@ def generate_body(job: Job) -> dict:
             dict(sp, max_new_tokens=smp.max_new,
                  **({} if smp.seed is None else {"sampling_seed": smp.seed}))
             for smp in job.samples]
+    if job.adapter is not None:  # GenerateReqInput.lora_path: the adapter's name, per prompt
+        body["lora_path"] = job.adapter if len(job.samples) == 1 else \
+            [job.adapter] * len(job.samples)
     return body
 
 
@@ -139,7 +143,7 @@ def _label_version(label: Any, field: str) -> int:
 
 
 def parse_output(item: Any, job: Job, pause_mode: str, *, vocab_size: Optional[int] = None,
-                 max_tokens: Optional[int] = None) -> dict:
+                 max_tokens: Optional[int] = None, lora: bool = False) -> dict:
     """One output object -> {tokens, logps, versions, kv_versions, reason, exact}.
 
     versions: `meta_info.weight_versions` spans when present, else (older servers) the label
@@ -147,6 +151,10 @@ def parse_output(item: Any, job: Job, pause_mode: str, *, vocab_size: Optional[i
     job was sent, for every token (`exact=False`); no label at all (sglang-jax): the engine's
     record of the server's version stands in for it. kv_versions: by pause mode, see the
     engine's docstring ('in_place': the segment's first version; else equal to versions).
+    `lora`: versions are LoRA adapters, one per request (`job.adapter`, fixed when SGLang
+    admits the request, `lora_registry.acquire`): every token, and the KV it attended to
+    (prefilled and decoded with that adapter), is `job.sent_version`; the server's
+    `weight_version` labels only its base and are not read.
 
     Anything not of SGLang's shape raises `ProtocolError` naming the field: token ids must
     be integers in [0, vocab_size), log-probs finite and <= 0, at most `max_tokens` tokens
@@ -199,6 +207,11 @@ def parse_output(item: Any, job: Job, pause_mode: str, *, vocab_size: Optional[i
     if kind == "abort" and isinstance(fr, dict) and fr.get("status_code") == 400:
         raise HTTPError(job.server.url, "/generate", 400, str(fr.get("message")))
     c = len(tokens)
+    if lora:
+        v = -1 if job.sent_version is None else int(job.sent_version)
+        versions, exact = np.full((c,), v, np.int32), True
+        return dict(tokens=np.asarray(tokens, np.int32), logps=np.asarray(logps, np.float32),
+                    versions=versions, kv_versions=versions.copy(), reason=kind, exact=exact)
     versions, exact = token_versions(meta, c, job.sent_version,
                                      getattr(job.server, "version", None))
     kv = np.full((c,), versions[0], np.int32) if pause_mode == "in_place" and c \

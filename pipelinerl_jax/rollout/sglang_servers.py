@@ -17,6 +17,16 @@ Updates are coalesced: while one refit runs, only the newest pending version is 
 a failed load SGLang keeps serving its previous weights: the server stays in routing and the
 failure is reported (`health()['refit_errors']`).
 
+LoRA (`lora=True`, docs/lora.md): a version is a PEFT adapter directory. Installing it on a
+server is `/load_lora_adapter {lora_name: 'v<version>.<k>', lora_path}` (no pause: SGLang
+serves several adapters at once, `--max-loras-per-batch`); every job sent afterwards names it
+(`lora_path` in /generate), and a request keeps the adapter it was admitted with to its end
+(`lora_registry.acquire`), so each token's version is its job's. An adapter that is no longer
+the server's newest is unloaded (`/unload_lora_adapter`) once none of our jobs on that
+server names it (SGLang's unload would otherwise wait for them: `wait_for_unload`). Names are
+never reused (`k` counts loads), so a reloaded version (lag injection, a server that came
+back) cannot collide with one still loaded.
+
 `SGLangEngine` owns one `ServerFleet` and uses it through its public methods. The fleet
 owns the servers' state: routing and in-flight accounting, health, the paused flag, and the
 weights (live, newest accepted, the refit in progress and the one deferred while no server
@@ -54,6 +64,8 @@ class Server:
         self.refits, self.refit_s_total, self.last_refit_s = 0, 0.0, None
         self.refit_error: Optional[str] = None  # the last failed load, until one succeeds
         self.counts: collections.Counter = collections.Counter()
+        self.adapter: Optional[str] = None  # LoRA: the adapter new jobs name
+        self.adapters: set = set()  # LoRA: every adapter we loaded here and not unloaded
 
 
 class ServerFleet:
@@ -65,9 +77,11 @@ class ServerFleet:
     """
 
     def __init__(self, servers: Sequence[Server], config, cv: threading.Condition,
-                 stop: threading.Event, name: str):
+                 stop: threading.Event, name: str, lora: bool = False):
         self.servers = list(servers)
         self.config, self.name = config, name
+        self.lora = lora  # versions are LoRA adapter directories (module docstring)
+        self._adapter_seq = 0
         self._cv, self._stop = cv, stop
         self._paused = False
         self._occupancy = StatsWindow()  # samples in flight over time: slot_s, busy_s
@@ -112,6 +126,7 @@ class ServerFleet:
 
     def assign(self, job, server: Server) -> None:  # holds cv
         job.server, job.sent_version = server, server.version
+        job.adapter = server.adapter
         server.jobs.add(job)
         self._change_in_flight(server, len(job.samples))
 
@@ -121,6 +136,9 @@ class ServerFleet:
             job.server.jobs.discard(job)
             self._change_in_flight(job.server, -len(job.samples))
             self._cv.notify_all()
+            stale = self.lora and job.adapter not in (None, job.server.adapter)
+        if stale:  # maybe the last job on an old adapter
+            self._unload_stale(job.server)
 
     def _change_in_flight(self, s: Server, delta: int) -> None:  # holds cv
         self._occupancy.level(delta)
@@ -141,7 +159,9 @@ class ServerFleet:
         """Reads each server's weight version (a server without a label holds `version`);
         returns the starting version: `version`, or (None) the oldest the servers report."""
         for s in self.servers:
-            if s.up:  # a server without a label (sglang-jax) holds `version`
+            if s.up and self.lora:  # its label names the base; no adapter is loaded yet
+                s.version = -1 if version is None else int(version)
+            elif s.up:  # a server without a label (sglang-jax) holds `version`
                 label = self._model_info(s)
                 s.version = version_of(label) if label is not None or version is None \
                     else int(version)
@@ -335,7 +355,10 @@ class ServerFleet:
         return results
 
     def _refit_server(self, s: Server, path: str, version: int):
-        """pause → update_weights_from_disk → continue on one server; (ok, message)."""
+        """pause → update_weights_from_disk → continue on one server (LoRA: load the
+        adapter); (ok, message)."""
+        if self.lora:
+            return self._load_adapter(s, path, version)
         mode = self.config.pause_mode
         timeout = self.config.control_timeout_s
         t0 = time.perf_counter()
@@ -374,6 +397,63 @@ class ServerFleet:
             s.refit_error = None
         return True, ""
 
+    def _load_adapter(self, s: Server, path: str, version: int):
+        """`/load_lora_adapter` of the PEFT directory `path` as a fresh name on `s`, which
+        new jobs then name; the adapters no job needs any more are unloaded. (ok, message)"""
+        with self._cv:
+            self._adapter_seq += 1
+            name = f"v{version}.{self._adapter_seq}"
+        t0 = time.perf_counter()
+        try:
+            answer = s.client.post("/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                                   timeout=self.config.control_timeout_s) or {}
+            if answer.get("success") is False:
+                raise HTTPError(s.url, "/load_lora_adapter", 200,
+                                str(answer.get("error_message")))
+        except HTTPError as e:  # the server keeps serving its adapters (nothing registered)
+            msg = f"loading the adapter of version {version} failed: {e.message}"
+            log.warning("SGLang server %s: %s", s.url, msg)
+            with self._cv:
+                s.refit_error = msg
+            return False, msg
+        except ServerUnavailable as e:
+            self.mark_down(s, str(e))
+            return False, str(e)
+        dt = time.perf_counter() - t0
+        with self._cv:
+            s.adapters.add(name)
+            s.adapter, s.version = name, version
+            s.refits += 1
+            s.refit_s_total += dt
+            s.last_refit_s = dt
+            s.refit_error = None
+        self._unload_stale(s)
+        return True, ""
+
+    def _unload_stale(self, s: Server) -> None:
+        """Unloads `s`'s adapters that are neither its newest nor named by a job of ours on
+        it (claimed under the lock, so two threads never unload one twice). An adapter the
+        server no longer has (restarted, or evicted by its `--max-loaded-loras`) counts as
+        unloaded."""
+        with self._cv:
+            used = {j.adapter for j in s.jobs}
+            stale = sorted(a for a in s.adapters if a != s.adapter and a not in used)
+            s.adapters.difference_update(stale)
+        for name in stale:
+            try:
+                s.client.post("/unload_lora_adapter", {"lora_name": name},
+                              timeout=self.config.control_timeout_s, retries=1)
+                with self._cv:
+                    s.counts["adapters_unloaded"] += 1
+            except HTTPError as e:
+                if "does not exist" not in e.message:
+                    log.warning("SGLang server %s: unloading adapter %s failed: %s", s.url,
+                                name, e.message)
+                    with self._cv:
+                        s.counts["unload_failures"] += 1
+            except ServerUnavailable as e:
+                log.warning("SGLang server %s: unloading adapter %s failed: %s", s.url, name, e)
+
     # ------------------------------------------------------------------ reports
 
     def health(self) -> dict:  # holds cv
@@ -403,7 +483,11 @@ class ServerFleet:
             "mean_refit_s": s.refit_s_total / s.refits if s.refits else None,
             "requests": s.counts["requests"], "errors": s.counts["errors"],
             "tokens": s.counts["tokens"], "removed": s.counts["removed"],
-            "retries": s.client.retries} for s in self.servers]
+            "retries": s.client.retries,
+            **({"adapter": s.adapter, "adapters_loaded": len(s.adapters),
+                "adapters_unloaded": s.counts["adapters_unloaded"],
+                "unload_failures": s.counts["unload_failures"]} if self.lora else {}),
+            } for s in self.servers]
         return {
             "refits": c["refits"], "last_refit_s": max(refit_times) if refit_times else None,
             "refit_failures": c["refit_failures"], "deferred_refits": c["deferred_refits"],

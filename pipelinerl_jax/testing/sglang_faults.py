@@ -11,7 +11,8 @@ DEFAULT_SWITCHES = dict(startup_503_s=0.0, fail_every=0, fail_status=503, corrup
                         abort_every=0,
                         abort_next=0, abort_after_tokens=2, delay_s=0.0, version_spans=True,
                         auto_step=True,
-                        resend_logprobs_every=0, update_endpoint=True, weight_version_field=True)
+                        resend_logprobs_every=0, update_endpoint=True, weight_version_field=True,
+                        lora_endpoints=True)
 
 
 class Status:
@@ -54,12 +55,15 @@ def corrupt(outputs: List[dict], k: int) -> Any:
 # k-th token resends the log-probs from offset 0 (k=50 there), so an answer of c tokens
 # carries the prefixes k, 2k, ... < c before its c entries; update_endpoint=false: 404 on the
 # weight endpoints; weight_version_field=false: no weight_version (answers, /get_model_info)
-# and no per-token spans.
+# and no per-token spans; lora_endpoints=false: 404 on the LoRA endpoints (sglang-jax's
+# http_server.py has no /load_lora_adapter: adapters only from --lora-paths at launch).
 _WEIGHT_PATHS = ("/update_weights_from_disk", "/update_weight_version", "/get_weight_version")
+_LORA_PATHS = ("/load_lora_adapter", "/unload_lora_adapter")
 
 
 def gap_route(switches: dict, path: str) -> Optional[Status]:
-    if not switches["update_endpoint"] and path in _WEIGHT_PATHS:
+    if (not switches["update_endpoint"] and path in _WEIGHT_PATHS) or (
+            not switches["lora_endpoints"] and path in _LORA_PATHS):
         return Status(404, {"detail": "Not Found"})
     return None
 

@@ -34,6 +34,10 @@ with the embedded `JaxEngine`, so tokens and log-probs are real:
   POST /update_weight_version         {new_version, abort_all_requests (default True)}
   POST /abort_request {rid, abort_all} see "Request ids and aborts" below
   POST /flush_cache
+  POST /load_lora_adapter {lora_name, lora_path, pinned}, /unload_lora_adapter {lora_name},
+       and /generate's lora_path: servers started with --enable-lora (--stub only),
+       --max-lora-rank, --lora-target-modules, --max-loaded-loras; SGLang's behaviour and
+       where it comes from: `sglang_lora.py`
 
 Request ids and aborts, as SGLang handles them (read in `srt/managers/io_struct.py`,
 `srt/managers/tokenizer_manager.py`, `srt/managers/scheduler.py`):
@@ -70,8 +74,8 @@ abort_every / abort_next + abort_after_tokens (every k-th, or the next N, /gener
 return their samples aborted after that many tokens, as a server-side abort does), delay_s
 (sleep before answering /generate), version_spans, auto_step (false: the engine only runs
 on /_test/step, so a test can place a weight update between two exact decode steps), and
-sglang-jax's gaps: resend_logprobs_every, update_endpoint, weight_version_field (see
-`sglang_faults.gap_answer`).
+sglang-jax's gaps: resend_logprobs_every, update_endpoint, weight_version_field,
+lora_endpoints (see `sglang_faults.gap_answer`).
 `--stub` replaces generation by a zero-cost deterministic one (token ids from a hash,
 log-prob -1.0), so that a benchmark measures the client, not the model.
 
@@ -171,7 +175,8 @@ def make_handler(state: ServerState):
             if path == "/get_weight_version":
                 return {"weight_version": s.info()["weight_version"]}
             if path == "/get_server_info":
-                return {**s.info(), "skip_tokenizer_init": True, "version": "test-server",
+                return {**s.info(), **s.lora.server_args(),
+                        "skip_tokenizer_init": True, "version": "test-server",
                         "context_length": s.context_len, "max_running_requests":
                         s.engine.num_slots if s.engine is not None else None}
             if path == "/_test/record":
@@ -181,7 +186,9 @@ def make_handler(state: ServerState):
                 with s.lock:
                     return {"counts": dict(s.counts), "cpu_s": time.process_time(),
                             "paused": s.paused, "pause_mode": s.pause_mode, "live":
-                            len(s.live), "weight_version": s.labels[s.internal_version]}
+                            len(s.live), "weight_version": s.labels[s.internal_version],
+                            "lora_loaded": list(s.lora.loaded),
+                            "lora_counts": dict(s.lora.counts)}
             if path == "/_test/config":
                 unknown = set(body) - set(DEFAULT_SWITCHES)
                 if unknown:
@@ -209,6 +216,10 @@ def make_handler(state: ServerState):
                 return s.update_weights(body)
             if path == "/update_weight_version":
                 return s.set_label(body)
+            if path == "/load_lora_adapter":
+                return s.lora.load(body)
+            if path == "/unload_lora_adapter":
+                return s.lora.unload(body)
             if path == "/abort_request":
                 with s.lock:
                     s.counts["abort_request"] += 1
@@ -231,7 +242,7 @@ def make_handler(state: ServerState):
 
 _POST_PATHS = {"/generate", "/pause_generation", "/continue_generation", "/abort_request",
                "/update_weights_from_disk", "/update_weight_version", "/flush_cache",
-               "/_test/reset"}
+               "/_test/reset", "/load_lora_adapter", "/unload_lora_adapter"}
 
 
 def parse_args(argv=None):
@@ -259,9 +270,15 @@ def parse_args(argv=None):
     p.add_argument("--corrupt-every", type=int, default=0,
                    help="every k-th /generate answers a malformed body (CORRUPTIONS)")
     p.add_argument("--delay-s", type=float, default=0.0)
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--stub)")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="*", default=None)
+    p.add_argument("--max-loaded-loras", type=int, default=None)
     args = p.parse_args(argv)
     if not args.stub and not args.model_path:
         p.error("--model-path is required unless --stub")
+    if args.enable_lora and not args.stub:
+        p.error("--enable-lora needs --stub (adapters change the stub's tokens, not a model's)")
     return args
 
 

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional
 
 from pipelinerl_jax.testing.sglang_faults import (DEFAULT_SWITCHES, Status, corrupt,
                                                   gap_answer)
+from pipelinerl_jax.testing.sglang_lora import (AdapterRegistry, LoRARequestError,
+                                                request_adapters)
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -55,6 +57,10 @@ class ServerState:
         self.live: Dict[str, str] = {}  # internal request id -> public rid
         self.waiters: Dict[str, queue.Queue] = {}
         self.engine = None
+        self.lora = AdapterRegistry(getattr(args, "enable_lora", False),
+                                    getattr(args, "max_lora_rank", None),
+                                    getattr(args, "lora_target_modules", None),
+                                    getattr(args, "max_loaded_loras", None))
         if args.stub:
             self.vocab_size, self.context_len = args.vocab_size, args.context_length
             if args.model_path:
@@ -143,6 +149,20 @@ class ServerState:
             for j in range(n):
                 lp = want_logprob[i] if isinstance(want_logprob, list) else want_logprob
                 items.append((_rid(rid, single, i, n), [int(t) for t in prompt], s, bool(lp)))
+        try:  # admitted with their adapters (sglang_lora.py), counted in use until answered
+            names = [a for a in request_adapters(body, len(prompts)) for _ in range(n)]
+            adapters = self.lora.acquire(names)
+        except LoRARequestError as e:
+            raise BadRequest(str(e)) from None
+        if self.engine is not None and any(adapters):
+            self.lora.release(names)
+            raise BadRequest("this test server generates with LoRA adapters only with --stub")
+        try:
+            return self._generate(items, adapters, single, n)
+        finally:
+            self.lora.release(names)
+
+    def _generate(self, items, adapters, single: bool, n: int) -> Any:
         with self.lock:
             self.counts["generate"] += 1
             call = self.counts["generate"]
@@ -153,15 +173,16 @@ class ServerState:
         if sw["delay_s"]:
             time.sleep(sw["delay_s"])
         t0 = time.time()
-        results = self._run_stub(items) if self.engine is None else self._run_engine(items)
+        results = self._run_stub(items, adapters) if self.engine is None \
+            else self._run_engine(items)
         abort_k = None
         with self.lock:
             if self.switches["abort_next"] > 0 or (sw["abort_every"] and
                                                    call % sw["abort_every"] == 0):
                 self.switches["abort_next"] = max(self.switches["abort_next"] - 1, 0)
                 abort_k = sw["abort_after_tokens"]
-        out = [self._answer(item, res, abort_k, time.time() - t0, sw["version_spans"])
-               for item, res in zip(items, results)]
+        out = [self._answer(item, res, abort_k, time.time() - t0, sw["version_spans"], a)
+               for item, res, a in zip(items, results, adapters)]
         out = [gap_answer(o, sw) for o in out]
         if sw["corrupt_every"] and call % sw["corrupt_every"] == 0:
             with self.lock:
@@ -234,21 +255,24 @@ class ServerState:
             results[slot[c.request_id]] = c
         return results
 
-    def _run_stub(self, items) -> list:
+    def _run_stub(self, items, adapters) -> list:
         with self.lock:
             while self.paused:
                 self.lock.wait()
             version = self.internal_version
         out = []
-        for rid, prompt, s, _ in items:
+        for (rid, prompt, s, _), adapter in zip(items, adapters):
             max_new = min(s.get("max_new_tokens", 128) or 0, self.context_len - len(prompt))
+            weights = "" if adapter is None else adapter["digest"]  # the adapter's files
             h = int.from_bytes(hashlib.blake2b(
-                f"{prompt}|{s.get('sampling_seed')}|{rid}".encode(), digest_size=8).digest(), "big")
+                f"{prompt}|{s.get('sampling_seed')}|{rid}|{weights}".encode(),
+                digest_size=8).digest(), "big")
             toks = [(h + 7919 * j) % self.vocab_size for j in range(max_new)]
             out.append(_StubResult(toks, version))
         return out
 
-    def _answer(self, item, res, abort_k: Optional[int], latency: float, spans: bool) -> dict:
+    def _answer(self, item, res, abort_k: Optional[int], latency: float, spans: bool,
+                adapter: Optional[dict] = None) -> dict:
         rid, prompt, s, want_logprob = item
         if res == "empty":
             toks, logps, vers, kvs, reason = [], [], [], [], "length"
@@ -285,7 +309,8 @@ class ServerState:
             self.record.append({"rid": rid, "input_ids": prompt, "output_ids": toks,
                                 "output_logprobs": logps, "versions": labels,
                                 "kv_versions": kv_labels, "finish_reason": finish,
-                                "sampling_params": s})
+                                "sampling_params": s,
+                                "lora_path": None if adapter is None else adapter["name"]})
         return {"output_ids": toks, "meta_info": meta}
 
     # ------------------------------------------------------------------ control

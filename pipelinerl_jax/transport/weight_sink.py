@@ -109,6 +109,21 @@ def hf_checkpoint_writer(checkpoint: str, dtype="float32",
     return save
 
 
+def peft_dir_writer(checkpoint: str, spec, dtype="float32",
+                    param_dtype=None) -> Callable[[Params, str], None]:
+    """`save(adapters, directory)` for LoRA runs (`spec`, a `models.lora.LoRASpec`): the
+    adapter-only flat dict as a PEFT adapter directory (`models.peft_io.write_peft_dir`,
+    checked against `checkpoint`'s config), what SGLang's `/load_lora_adapter` reads."""
+    from pipelinerl_jax.models.peft_io import write_peft_dir
+    config = load_config(checkpoint, dtype=dtype_of(dtype),
+                         param_dtype=None if param_dtype is None else dtype_of(param_dtype))
+
+    def save(adapters: Params, directory: str) -> None:
+        write_peft_dir(adapters, config, spec, directory, base_model=os.path.abspath(checkpoint))
+
+    return save
+
+
 def weights_dir(cfg, workdir: str) -> str:
     """Where an 'hf_dir' sink writes versions: `sampler.weights_dir`, or `workdir/weights`."""
     return cfg.sampler.weights_dir or os.path.join(workdir, "weights")
@@ -121,14 +136,17 @@ def make_weight_sink(kind: str, cfg, workdir: str, *,
     """The sink of `kind` ('stream' | 'hf_dir') for a run's learner. It owns `publisher`
     (default: one bound to `transport`'s weights address) and stops it on `close()`. An
     'hf_dir' sink saves with `save_model`, default `hf_checkpoint_writer(init_checkpoint,
-    model.dtype, model.param_dtype)`."""
+    model.dtype, model.param_dtype)` (with `lora.enabled`: `peft_dir_writer`, a PEFT adapter
+    directory per version)."""
     if kind not in SINK_KINDS:
         raise ValueError(f"weight sink kind: unknown {kind!r}; valid: {SINK_KINDS}")
     if kind == "hf_dir" and save_model is None:
         if init_checkpoint is None:
             raise ValueError("an 'hf_dir' weight sink needs save_model or init_checkpoint")
-        save_model = hf_checkpoint_writer(init_checkpoint, cfg.model.dtype,
-                                          cfg.model.param_dtype)
+        from pipelinerl_jax.models.lora import lora_spec
+        writer = hf_checkpoint_writer if lora_spec(cfg) is None else (
+            lambda *a: peft_dir_writer(a[0], lora_spec(cfg), *a[1:]))
+        save_model = writer(init_checkpoint, cfg.model.dtype, cfg.model.param_dtype)
     if publisher is None:
         publisher = WeightPublisher(weights_address(cfg.transport),
                                     **publisher_kwargs(cfg.transport))

@@ -114,6 +114,9 @@ def test_eval_view_of_sglang_samples_on_the_eval_servers():
     from pipelinerl_jax.rollout.sglang_config import validate_sglang_config
     validate_sglang_config(view.sglang, required=True, num_workers=1)  # as its engine checks
     assert view.rollout.num_workers == 1 and tuple(cfg.sglang.urls)[1].endswith("30001")
+    # LoRA: the evaluator is handed merged HF directories, installed as full weights
+    cfg.lora.enabled = True
+    assert eval_view(cfg).lora.enabled is False and cfg.lora.enabled is True
 
 
 @pytest.mark.parametrize("eval_urls,eval_every,message", [

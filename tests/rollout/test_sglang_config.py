@@ -94,6 +94,12 @@ def test_qwen2_gsm8k_config_validates_on_local_files(tmp_path, gsm8k_rows_file):
     assert tuple(mod.get_config("gpu4").mesh.shape) == (1, 4, 1)
     with pytest.raises(ValueError, match="unknown mesh preset"):
         mod.get_config("gpu3")
+    # its LoRA variant: the same run, adapters published to the servers
+    lora = load(os.path.join(ROOT, "configs", "qwen2_gsm8k_sglang_lora.py")).get_config("gpu8")
+    lora.model.path = lora.tokenizer.path = model_dir
+    lora.task.path, lora.task.eval_path = gsm8k_rows_file
+    validate(lora)
+    assert lora.lora.enabled and lora.lora.rank == 16 and lora.sampler.kind == "sglang"
 
 
 @pytest.fixture

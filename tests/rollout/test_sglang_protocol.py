@@ -156,3 +156,26 @@ def test_no_weight_version_at_all_means_the_version_the_engine_installed():
     assert seg["kv_versions"].tolist() == [4, 4]
     item["meta_info"]["weight_version"] = "default"  # an explicit non-integer label: unknown
     assert parse_output(item, job(sent_version=4), "retract")["versions"].tolist() == [-1, -1]
+
+
+def test_lora_jobs_name_their_adapter_and_every_token_is_its_version():
+    j = job(n=2, seed=1, sent_version=5)
+    assert "lora_path" not in generate_body(j)  # no adapter: the base, as before
+    j.adapter = "v5.3"
+    assert generate_body(j)["lora_path"] == ["v5.3", "v5.3"]  # one per prompt
+    single = job(sent_version=5)
+    single.adapter = "v5.3"
+    assert generate_body(single)["lora_path"] == "v5.3"
+    # the server's labels name its base (and may even span versions): the adapter decides
+    item = out([1, 2, 3], [-0.5, -1.0, -1.5], {"type": "stop", "matched": 3},
+               weight_version="0", weight_versions=[{"version": "0", "start": 0, "end": 3}])
+    seg = parse_output(item, single, "in_place", lora=True)
+    assert seg["versions"].tolist() == [5, 5, 5] and seg["kv_versions"].tolist() == [5, 5, 5]
+    assert seg["exact"] and seg["reason"] == "stop"
+    assert parse_output(item, single, "in_place")["versions"].tolist() == [0, 0, 0]
+
+
+def test_lora_error_bodies_name_the_servers_message():
+    body = b'{"success": false, "error_message": "LoRA with name v1 does not exist.", ' \
+           b'"loaded_adapters": null}'
+    assert error_message(body) == "LoRA with name v1 does not exist."

@@ -122,3 +122,27 @@ def test_hf_dir_sink_saves_through_a_given_callable(tmp_path):
     finally:
         sink.close()
     assert saved == [["a"]] and os.path.isfile(os.path.join(version_dir(sink.root, 3), "marker"))
+
+
+def test_hf_dir_sink_of_a_lora_run_writes_peft_adapter_directories(tmp_path):
+    from pipelinerl_jax.models import LoRASpec, adapter_params
+    from pipelinerl_jax.models.peft_io import read_peft_dir
+    init = str(tmp_path / "init")
+    save_pretrained(sharding.create_model(MODEL, seed=0), init)
+    cfg = base_config()
+    cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha = True, 2, 4.0
+    cfg.lora.targets = "q_proj,down_proj"
+    spec = LoRASpec(2, 4.0, ("q_proj", "down_proj"))
+    sink = make_weight_sink("hf_dir", cfg, str(tmp_path), publisher=WeightPublisher(),
+                            init_checkpoint=init)
+    adapters = adapter_params(sharding.create_model(MODEL, seed=1, lora=spec))
+    try:
+        sink.publish(0, adapters)
+    finally:
+        sink.close()
+    back, spec_back = read_peft_dir(version_dir(sink.root, 0), MODEL)
+    assert spec_back == spec and set(back) == set(adapters)
+    for name, value in adapters.items():
+        np.testing.assert_array_equal(back[name], value)
+    assert sorted(os.listdir(version_dir(sink.root, 0))) == ["adapter_config.json",
+                                                             "adapter_model.safetensors"]
