@@ -144,3 +144,30 @@ def test_killed_learner_process_restarts_the_group_and_resumes(tmp_path, init,
     assert step_a == step_b == STEPS
     for k in params_a:
         np.testing.assert_allclose(params_b[k], params_a[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_two_processes_train_lora_adapters_like_one_process(tmp_path, init):
+    """LoRA on the multi-process learner: only adapters are trained, checkpointed and
+    published, and 2 processes reach the same adapters as 1 process with all devices."""
+    lora = ("--config.lora.enabled=True", "--config.lora.rank=4",
+            "--config.learner.optimizer.learning_rate=1e-3")
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(one, *FLAGS, *lora, f"--config.warm_start.checkpoint={init}", env=FOUR_DEVICES)
+    run_train(two, *FLAGS, *lora, *TWO_PROCS, f"--config.warm_start.checkpoint={init}")
+    rows_one = {r["step"]: r for r in read_jsonl(one / "metrics.jsonl")}
+    rows_two = {r["step"]: r for r in read_jsonl(two / "metrics.jsonl")}
+    assert sorted(rows_two) == sorted(rows_one) == list(range(1, STEPS + 1))
+    for step in rows_one:
+        for k in ("loss/loss", "loss/grad_norm", "reward/mean"):
+            np.testing.assert_allclose(rows_two[step][k], rows_one[step][k], rtol=1e-4,
+                                       atol=1e-6, err_msg=f"step {step} {k}")
+    step_one, adapters_one = final_state(one)
+    step_two, adapters_two = final_state(two)
+    assert step_one == step_two == STEPS and adapters_one.keys() == adapters_two.keys()
+    names = [k for k in adapters_one if k.startswith("['params']")]
+    assert names and all("_lora_" in k for k in names), names  # adapters only: no base
+    for k in adapters_one:
+        np.testing.assert_allclose(adapters_two[k], adapters_one[k], rtol=1e-4, atol=1e-6,
+                                   err_msg=k)
+    _, first = final_state(two, step=1)
+    assert any(not np.array_equal(first[k], adapters_two[k]) for k in names)  # B moved off 0
