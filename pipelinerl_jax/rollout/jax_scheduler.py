@@ -602,6 +602,10 @@ class SlotScheduler:
                 self._slots_dev = idle._replace(active=active)
                 jax.block_until_ready(out)
                 n += 1
+            # release: aborts, and (paged) preemptions, which a dry pool can need any time
+            self._slots_dev = self._fns.release(self._slots_dev,
+                                                np.zeros((self.num_slots,), bool))
+            n += 1
         return n
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from jax import monitoring
 
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.models import tiny_config
@@ -18,6 +18,11 @@ from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from tests.rollout.conftest import make_engine, random_requests, request
 
 PAGED = dict(kv_layout="paged", page_size=8)
+
+_compiles = []
+monitoring.register_event_duration_secs_listener(
+    lambda name, *a, **kw: _compiles.append(name)
+    if name == "/jax/core/compile/backend_compile_duration" else None)
 
 
 def _by_id(completions):
@@ -87,6 +92,17 @@ def test_admission_by_free_pages_runs_more_samples_in_the_same_bytes(models):
     paged, paged_peak = _run(make_engine(models[0], kv_budget_tokens=96, **PAGED), reqs)
     assert dense_peak == 2 and paged_peak == 4
     _assert_same_samples(dense, paged)
+
+
+def test_no_recompilation_after_warmup_even_while_preempting(models):
+    eng = make_engine(models[0], kv_budget_tokens=80, **PAGED)
+    eng.warmup()
+    before = len(_compiles)
+    eng.generate(random_requests(12, seed=30, max_prompt=40, lognormal=(3.0, 0.8),
+                                 temperature=0.9, top_p=0.9, stop_token_ids=(9,)))
+    eng.stats()
+    assert eng.stats()["preemptions"] > 0
+    assert len(_compiles) == before, "serving compiled new programs after warmup"
 
 
 def test_preemption_provenance_through_an_update(models, reference):
