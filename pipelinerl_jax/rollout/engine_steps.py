@@ -26,7 +26,10 @@ tables of their rows (`[Bp, N]` / `[S, N]` int32, owned by the host's `PageAlloc
 sent with every call; out-of-range entries are pages a row does not hold, where writes are
 dropped). Prefill scatters the fresh K/V into the rows' pages; decode writes each step's K/V
 into the page of its position and attends over the first `ceil(cache_len / page_size)` pages.
-Inactive slots write at a position past every table (dropped).
+Inactive slots write at a position past every table (dropped). Decode there runs over the
+first `rows` slots only (a static row bucket): the scheduler packs running samples into the
+lowest slots (`permute` moves slot state; their K/V stays in its pages, only the page-table
+row moves), so a long tail of few samples does not pay for every slot.
 
 Shapes are static per (prefill batch bucket, prompt-length bucket) and per cache-length
 bucket, so steady-state serving compiles nothing new. The compiled programs are cached per
@@ -69,8 +72,10 @@ def empty_slots(num_slots: int, max_stop_tokens: int) -> SlotState:
 
 class StepFns(NamedTuple):
     prefill: callable
-    decode: callable  # decode(params, cache, slots, refill_at[, tables], cache_len=static)
+    # decode(params, cache, slots, refill_at[, tables], cache_len=static, rows=static)
+    decode: callable
     release: callable
+    permute: callable  # permute(slots, perm): slot state rows reordered (paged compaction)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,7 +114,13 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         return cache, slots, (token_b, logp_b, done_b)
 
     def decode(params, cache: KVCache, slots: SlotState, refill_at, tables_bn=None, *,
-               cache_len: int):
+               cache_len: int, rows=None):
+        if rows is not None:  # only the first `rows` slots (the paged layout packs them)
+            cache, head, out = decode(params, cache, jax.tree.map(lambda x: x[:rows], slots),
+                                      refill_at, tables_bn, cache_len=cache_len)
+            slots = jax.tree.map(lambda full, part: full.at[:rows].set(part), slots, head)
+            tok, logp, emit, active, n = out
+            return cache, slots, (tok, logp, emit, slots.active, n)
         model = nnx.merge(graphdef, params)
         num_slots = slots.token.shape[0]
         out_tok = jnp.zeros((steps, num_slots), jnp.int32)
@@ -145,11 +156,16 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         """Deactivates the slots where `free_b` is set (aborted requests)."""
         return slots._replace(active=slots.active & ~free_b)
 
+    def permute(slots: SlotState, perm_s):
+        """Slot `i` takes slot `perm_s[i]`'s state (a permutation)."""
+        return jax.tree.map(lambda x: x[perm_s], slots)
+
     # Outputs keep the inputs' placement, so donated buffers are reused and the next call
     # sees the same shardings (a mismatch costs a slow path on every call).
     out = (cache_sharding, replicated, replicated)
     return StepFns(
         prefill=jax.jit(prefill, donate_argnums=(1, 2), out_shardings=out),
-        decode=jax.jit(decode, donate_argnums=(1, 2), static_argnames=("cache_len",),
+        decode=jax.jit(decode, donate_argnums=(1, 2), static_argnames=("cache_len", "rows"),
                        out_shardings=out),
-        release=jax.jit(release, donate_argnums=(0,), out_shardings=replicated))
+        release=jax.jit(release, donate_argnums=(0,), out_shardings=replicated),
+        permute=jax.jit(permute, donate_argnums=(0,), out_shardings=replicated))

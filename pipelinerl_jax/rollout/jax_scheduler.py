@@ -131,6 +131,8 @@ class SlotScheduler:
         self._stats = StatsWindow()
         self._pages = pages
         self._submitted = 0
+        # paged: decode runs over the first `rows` slots, running samples packed there
+        self.row_buckets = (buckets((), 8, num_slots) if pages is not None else (num_slots,))
 
     # ------------------------------------------------------------------ state
 
@@ -401,6 +403,21 @@ class SlotScheduler:
                 return False
         return True
 
+    def _pack(self, running: list, rows: int) -> list:
+        """Moves the running samples of slots >= `rows` into free slots below it (their
+        pages stay; slot state and page-table rows move); returns the running slots."""
+        holes = [i for i in range(rows) if self._slots[i] is None]
+        perm = np.arange(self.num_slots, dtype=np.int32)
+        with self._cv:
+            for src in [i for i in running if i >= rows]:
+                dst = holes.pop(0)
+                perm[dst], perm[src] = src, dst
+                self._slots[dst], self._slots[src] = self._slots[src], None
+                self._pages.swap(src, dst)
+                self._stats.totals["slot_moves"] += 1
+        self._slots_dev = self._fns.permute(self._slots_dev, perm)
+        return [i for i, s in enumerate(self._slots) if s is not None]
+
     def _preempt(self, slot: int) -> None:
         """Frees `slot`'s pages and slot and puts its sample back at the head of the queue;
         its readmission re-prefills its prompt and the tokens it generated so far."""
@@ -462,15 +479,21 @@ class SlotScheduler:
         running = [i for i, s in enumerate(self._slots) if s is not None]
         if not running:
             return 0
+        rows = next(b for b in self.row_buckets if b >= len(running))
+        if running[-1] >= rows:
+            running = self._pack(running, rows)
         need = max(self._slots[i].pos for i in running) + self._steps
         cache_len = next((b for b in self.cache_buckets if b >= need), self.max_seq_len)
         with self._cv:
             queued = len(self._queue)
         refill_at = min(queued, self._refill)  # 0 when nothing waits: run the whole chunk
-        tables = () if self._pages is None else (self._pages.tables.copy(),)
+        if self._pages is None:
+            extra, static = (), {}
+        else:
+            extra, static = (self._pages.tables[:rows].copy(),), {"rows": rows}
         self._cache, self._slots_dev, out = self._fns.decode(
-            self._params, self._cache, self._slots_dev, np.int32(refill_at), *tables,
-            cache_len=cache_len)
+            self._params, self._cache, self._slots_dev, np.int32(refill_at), *extra,
+            cache_len=cache_len, **static)
         tokens, logps, emitted, active, n = jax.device_get(out)
         produced = 0
         for i in running:
@@ -565,7 +588,8 @@ class SlotScheduler:
                 "updates_applied": c["updates_applied"],
                 "preemptions": c["preemptions"],
                 "compiled_programs": sum(f._cache_size() for f in (
-                    self._fns.prefill, self._fns.decode, self._fns.release)),
+                    self._fns.prefill, self._fns.decode, self._fns.release,
+                    self._fns.permute)),
             }
 
     def _kv_figures(self) -> dict:  # holds _cv
@@ -577,7 +601,8 @@ class SlotScheduler:
         return {"kv_layout": "paged", "kv_tokens_reserved": self._pages.used_pages * c,
                 "kv_budget_tokens": self._pages.num_pages * c, "page_size": c,
                 "kv_pages_total": self._pages.num_pages,
-                "kv_pages_free": self._pages.free_pages}
+                "kv_pages_free": self._pages.free_pages,
+                "slot_moves": self._stats.totals["slot_moves"]}
 
     def warmup(self) -> int:
         """Compiles every (prefill batch, prompt length) and cache-length program up front,
@@ -587,25 +612,32 @@ class SlotScheduler:
             for bp in self.batch_buckets:
                 for t in self.prefill_buckets:
                     self._cache, self._slots_dev, out = self._fns.prefill(
-                        self._params, self._cache, self._slots_dev, np.zeros((bp, t), np.int32),
+                        self._params, self._cache, self._slots_dev,
+                        np.zeros((bp, t), np.int32),
                         np.ones((bp,), np.int32), np.full((bp,), self.num_slots, np.int32),
                         RowParams(**self._row_params(bp)), *self._no_pages(bp))
                     jax.block_until_ready(out)
                     n += 1
             for cache_len in self.cache_buckets:
-                # Decode with every slot inactive runs zero steps and leaves the cache as is.
-                active = self._slots_dev.active
-                idle = self._slots_dev._replace(active=jnp.zeros_like(active))
-                self._cache, idle, out = self._fns.decode(
-                    self._params, self._cache, idle, np.int32(0),
-                    *self._no_pages(self.num_slots), cache_len=cache_len)
-                self._slots_dev = idle._replace(active=active)
-                jax.block_until_ready(out)
-                n += 1
+                for rows in self.row_buckets:
+                    # Decode with every slot inactive runs zero steps, leaves the cache as is.
+                    static = {} if self._pages is None else {"rows": rows}
+                    active = self._slots_dev.active
+                    idle = self._slots_dev._replace(active=jnp.zeros_like(active))
+                    self._cache, idle, out = self._fns.decode(
+                        self._params, self._cache, idle, np.int32(0), *self._no_pages(rows),
+                        cache_len=cache_len, **static)
+                    self._slots_dev = idle._replace(active=active)
+                    jax.block_until_ready(out)
+                    n += 1
             # release: aborts, and (paged) preemptions, which a dry pool can need any time
             self._slots_dev = self._fns.release(self._slots_dev,
                                                 np.zeros((self.num_slots,), bool))
             n += 1
+            if self._pages is not None:  # (packing running samples into the low slots)
+                self._slots_dev = self._fns.permute(
+                    self._slots_dev, np.arange(self.num_slots, dtype=np.int32))
+                n += 1
         return n
 
 

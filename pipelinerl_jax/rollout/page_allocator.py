@@ -59,6 +59,15 @@ class PageAllocator:
             pages.append(page)
         return True
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchanges what rows `a` and `b` hold (a sample moved to another batch row)."""
+        held_a, held_b = self._held.pop(a, None), self._held.pop(b, None)
+        if held_a is not None:
+            self._held[b] = held_a
+        if held_b is not None:
+            self._held[a] = held_b
+        self.tables[[a, b]] = self.tables[[b, a]]
+
     def release(self, row: int) -> int:
         """Frees every page `row` holds; returns how many."""
         pages = self._held.pop(row, [])

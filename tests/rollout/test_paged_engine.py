@@ -83,6 +83,19 @@ def test_tiny_pool_preempts_and_still_equals_dense(models):
     assert all(c.start_version == 0 for c in paged.values())
 
 
+def test_running_samples_are_packed_into_fewer_decode_rows(models):
+    """16 slots (decode row buckets 8 and 16): as the tail thins out the running samples move
+    into the low 8 slots (slot state and page-table rows move, K/V stays in its pages) and
+    decode runs 8 rows; the tokens are still the dense engine's."""
+    reqs = _mixed_requests()
+    dense, _ = _run(make_engine(models[0]), reqs)
+    eng = make_engine(models[0], max_slots=16, **PAGED)
+    assert eng.scheduler.row_buckets == (8, 16)
+    paged, peak = _run(eng, reqs)
+    _assert_same_samples(dense, paged)
+    assert peak == 12 and eng.stats()["slot_moves"] > 0
+
+
 def test_admission_by_free_pages_runs_more_samples_in_the_same_bytes(models):
     """96 tokens of KV: the dense layout reserves prompt + max_new (4 + 40) per sample and
     runs 2 at a time; the paged one admits by the pages a sample holds and runs all 4 slots."""
