@@ -17,7 +17,9 @@ only batch rows there: what limits concurrency is the pool). Both are warmed up 
 (compiles excluded).
 
 Figures: active sequences per decode step (mean and decode-step-weighted p50 of the chunk
-averages `stats()` reports after every `step()`; hardware independent), tokens/s (wall
+averages `stats()` reports after every `step()`, over the whole run and over the chunks that
+ran while samples were queued, i.e. the steady state of a sampler that is kept fed, before
+the final tail drains; hardware independent), tokens/s (wall
 clock, measured side by side in one process), preemptions per 1,000 sequences, and whether
 the paged engine's tokens equal the dense engine's. Prints one JSON line at the end.
 """
@@ -69,7 +71,7 @@ def run(model, config: dict, reqs):
     eng.warmup()
     eng.stats()  # opens a fresh window
     eng.submit_batch(reqs)
-    chunk_active, chunk_steps, done = [], [], []
+    chunk_active, chunk_steps, chunk_queued, done = [], [], [], []
     t0 = time.perf_counter()
     while len(done) < len(reqs):
         eng.step()
@@ -78,15 +80,20 @@ def run(model, config: dict, reqs):
         if s["window_decode_steps"]:
             chunk_active.append(s["slot_occupancy"] * s["num_slots"])
             chunk_steps.append(s["window_decode_steps"])
+            # a chunk that ran while samples waited: the engine was as full as it could be
+            chunk_queued.append(s["occupancy_while_queued"] > 0)
     wall = time.perf_counter() - t0
     s = eng.stats()
     eng.close()
     tokens = sum(len(c.token_ids) for c in done)
-    steps = np.asarray(chunk_steps, float)
+    steps, active = np.asarray(chunk_steps, float), np.asarray(chunk_active)
+    q = np.asarray(chunk_queued, bool)
     out = {
         "slots": config["max_slots"],
-        "mean_active": float(np.dot(chunk_active, steps) / steps.sum()),
-        "p50_active": weighted_median(chunk_active, steps),
+        "mean_active": float(np.dot(active, steps) / steps.sum()),
+        "p50_active": weighted_median(active, steps),
+        "mean_active_while_queued": float(np.dot(active[q], steps[q]) / steps[q].sum()),
+        "p50_active_while_queued": weighted_median(active[q], steps[q]),
         "decode_steps": int(s["decode_steps"]),
         "tokens": tokens,
         "wall_s": round(wall, 3),
@@ -134,6 +141,8 @@ def main():
         "paged": paged,
         "active_ratio_vs_dense": paged["mean_active"] / dense["mean_active"],
         "p50_active_ratio_vs_dense": paged["p50_active"] / dense["p50_active"],
+        "active_while_queued_ratio_vs_dense": (paged["mean_active_while_queued"]
+                                               / dense["mean_active_while_queued"]),
         "tokens_per_s_ratio_vs_dense": paged["tokens_per_s"] / dense["tokens_per_s"],
         "decode_steps_ratio_vs_dense": paged["decode_steps"] / dense["decode_steps"],
         "greedy_tokens_identical": same / n,

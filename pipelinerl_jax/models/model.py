@@ -12,9 +12,10 @@ Two forward paths share all the layers:
   * cached forward `model(input_ids, positions=..., cache=...)` that writes this call's
     keys/values at `positions` into a preallocated cache and attends causally *by position*
     (key index <= query position). The cache is dense (`KVCache`, `[B, S, K, X]` per layer)
-    or paged (`PagedKVCache`: page pools and per-row page tables, `paged_attention.py`). Prefill is a call with T = prompt length, decode a call with
-    T = 1. Padding tokens write junk only at positions beyond the sequence, which a later
-    decode step overwrites before any query can attend to them.
+    or paged (`PagedKVCache`: page pools and per-row page tables, `paged_attention.py`).
+    Prefill is a call with T = prompt length, decode a call with T = 1. Padding tokens
+    write junk only at positions beyond the sequence, which a later decode step overwrites
+    before any query can attend to them.
 Numerics follow HF: RMSNorm and softmax in float32, RoPE with rotate-half.
 """
 from __future__ import annotations
