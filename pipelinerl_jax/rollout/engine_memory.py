@@ -96,9 +96,9 @@ def free_bytes(devices: Sequence) -> Optional[int]:
 
 def check_fits(model_cfg, max_slots: int, max_seq_len: int, dtype, devices: Sequence,
                prefix: str = "engine", available: Optional[int] = None,
-               pages: Optional[tuple] = None) -> dict:
+               pages: Optional[tuple] = None, pool_key: str = "kv_budget_tokens") -> dict:
     """Raises `ConfigError` when the dense KV cache (or, with `pages=(num_pages, page_size)`,
-    the page pool) plus the weights would not fit in `(1 - HEADROOM)` of the devices' free
+    the page pool, sized by key `pool_key`) plus the weights would not fit in `(1 - HEADROOM)` of the devices' free
     memory (`available` overrides the measurement); returns the figures otherwise."""
     kv = (kv_cache_bytes(model_cfg, max_slots, max_seq_len, dtype) if pages is None
           else paged_cache_bytes(model_cfg, *pages, dtype))
@@ -111,12 +111,11 @@ def check_fits(model_cfg, max_slots: int, max_seq_len: int, dtype, devices: Sequ
         fit = int(max(0.0, (1 - HEADROOM) * free - weights)
                   // page_bytes(model_cfg, pages[1], dtype))
         raise cfg_lib.ConfigError(
-            f"{prefix}.kv_budget_tokens", f"the KV page pool ({pages[0]} pages of {pages[1]} "
+            f"{prefix}.{pool_key}", f"the KV page pool ({pages[0]} pages of {pages[1]} "
             f"tokens, {prefix}.dtype={np.dtype(dtype).name}: {kv / GiB:.2f} GiB) plus the "
             f"weights ({weights / GiB:.2f} GiB) need more than {1 - HEADROOM:.0%} of the "
             f"{free / GiB:.2f} GiB free on {len(devices)} device(s) ({devices[0].platform}); "
-            f"at most {fit} pages fit: lower {prefix}.kv_budget_tokens or set "
-            f"{prefix}.kv_memory_fraction")
+            f"at most {fit} pages fit: lower {prefix}.{pool_key}")
     per_slot = kv_cache_bytes(model_cfg, 1, max_seq_len, dtype)
     fit = int(max(0.0, (1 - HEADROOM) * free - weights) // per_slot)
     raise cfg_lib.ConfigError(

@@ -186,7 +186,8 @@ class JaxEngine(InferenceEngine):
             pool = (num_pages, self.page_size)
         self.memory = engine_memory.check_fits(  # before allocating: a clear error, no OOM
             self.model_config, cfg.max_slots, cfg.max_seq_len, self.dtype, devices,
-            pages=pool)
+            pages=pool, pool_key="kv_memory_fraction" if cfg.kv_memory_fraction
+            else "kv_budget_tokens")
         abstract = nnx.eval_shape(lambda: Decoder(self.model_config, nnx.Rngs(0)))
         self._abstract_state = nnx.split(abstract)[1]
         self._param_shardings = sharding_lib.state_shardings(self._abstract_state, self._mesh)

@@ -238,3 +238,19 @@ def test_pool_sizing_and_memory_check():
     with pytest.raises(ConfigError, match=r"^engine\.kv_budget_tokens:.*at most 80 pages"):
         engine_memory.check_fits(cfg, 8, 256, jnp.float32, jax.devices()[:1],
                                  available=int((weights + 80.5 * page) / 0.9), pages=(81, 16))
+
+
+def test_engine_sizes_its_pool_from_free_memory(models, monkeypatch):
+    """kv_memory_fraction: the pool is that share of what the weights leave free (the
+    measurement pinned here), whatever max_slots x max_seq_len would take."""
+    cfg = models[0].cfg
+    page = engine_memory.page_bytes(cfg, 8, jnp.float32)
+    weights = engine_memory.weight_bytes(cfg, jnp.float32)
+    monkeypatch.setattr(engine_memory, "free_bytes", lambda devices: weights + 400 * page)
+    eng = make_engine(models[0], max_slots=64, kv_memory_fraction=0.05, **PAGED)
+    assert eng.stats()["kv_pages_total"] == 20 and eng.stats()["kv_budget_tokens"] == 160
+    assert eng.memory["kv_cache_bytes"] == 20 * page  # dense would be 64 x 64 tokens
+    c = eng.generate([request("m", [1, 2, 3], max_new_tokens=20, seed=0)])[0]
+    assert len(c.token_ids) == 20
+    with pytest.raises(ConfigError, match=r"^engine\.kv_memory_fraction:.*pages fit"):
+        make_engine(models[0], kv_memory_fraction=0.99, **PAGED)  # no headroom left
