@@ -4,7 +4,10 @@ from pipelinerl_jax.models.config import (CheckpointError, ModelConfig, config_1
 from pipelinerl_jax.models.model import (Decoder, KVCache, init_cache, token_entropy,
                                          token_logprobs)
 
-__all__ = ["CheckpointError", "ModelConfig", "Decoder", "KVCache", "init_cache",
+from pipelinerl_jax.models.paged_attention import (PagedKVCache, init_paged_cache,  # noqa: E402
+                                                   paged_attention)
+
+__all__ = ["PagedKVCache", "init_paged_cache", "paged_attention", "CheckpointError", "ModelConfig", "Decoder", "KVCache", "init_cache",
            "token_logprobs", "token_entropy", "tiny_config", "config_100m",
            "config_qwen2_5_0_5b"]
 from pipelinerl_jax.models.hf_io import (from_pretrained, hf_state_dict, load_config,  # noqa: E402

@@ -11,9 +11,11 @@ Two forward paths share all the layers:
   * full forward `model(input_ids)` over right-padded `[B, T]` rows (learner, causal mask);
   * cached forward `model(input_ids, positions=..., cache=...)` that writes this call's
     keys/values at `positions` into a preallocated cache and attends causally *by position*
-    (key index <= query position). Prefill is a call with T = prompt length, decode a call with
-    T = 1. Padding tokens write junk only at positions beyond the sequence, which a later
-    decode step overwrites before any query can attend to them.
+    (key index <= query position). The cache is dense (`KVCache`, `[B, S, K, X]` per layer)
+    or paged (`PagedKVCache`: page pools and per-row page tables, `paged_attention.py`).
+    Prefill is a call with T = prompt length, decode a call with T = 1. Padding tokens
+    write junk only at positions beyond the sequence, which a later decode step overwrites
+    before any query can attend to them.
 Numerics follow HF: RMSNorm and softmax in float32, RoPE with rotate-half.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pipelinerl_jax.models.config import ModelConfig
+from pipelinerl_jax.models.paged_attention import PagedKVCache, paged_attention, write_pages
 
 _INIT_STD = 0.02
 
@@ -164,6 +167,12 @@ class Attention(nnx.Module):
         q, k, v = self.project(x_btd, positions_bt, inv_freq)
 
         b, t = positions_bt.shape
+        if isinstance(cache_kv, PagedKVCache):  # one layer's pools and the batch's tables
+            table = cache_kv.page_table
+            ck = write_pages(cache_kv.k[0], table, positions_bt, k)
+            cv = write_pages(cache_kv.v[0], table, positions_bt, v)
+            out = paged_attention(q, ck, cv, table, positions_bt)
+            return self.output(out), (ck, cv)
         if cache_kv is None:
             keys, values, key_pos = k, v, positions_bt
             new_cache = None
@@ -248,9 +257,9 @@ class Decoder(nnx.Module):
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
                                   cfg.param_dtype)
 
-    def hidden_states(self, input_ids, positions=None, cache: Optional[KVCache] = None,
-                      segment_ids=None):
-        """Final-norm hidden states `[B, T, D]` (and the updated cache when one is given).
+    def hidden_states(self, input_ids, positions=None, cache=None, segment_ids=None):
+        """Final-norm hidden states `[B, T, D]` (and the updated cache when one is given: a
+        dense `KVCache`, or a `PagedKVCache` with its page tables, `models.paged_attention`).
 
         `segment_ids` `[B, T]` (no cache): several sequences packed in one row attend only
         within their own segment; pass `positions` restarting at 0 for each.
@@ -265,13 +274,22 @@ class Decoder(nnx.Module):
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(cfg.dtype)
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+            if cache is None:
+                layer_cache = None
+            elif isinstance(cache, PagedKVCache):
+                layer_cache = PagedKVCache((cache.k[i],), (cache.v[i],), cache.page_table)
+            else:
+                layer_cache = (cache.k[i], cache.v[i])
             h, c = layer(h, positions, inv_freq, layer_cache, segment_ids)
             if c is not None:
                 new_k.append(c[0])
                 new_v.append(c[1])
         h = self.final_norm(h)
-        return h, (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+        if cache is None:
+            return h, None
+        if isinstance(cache, PagedKVCache):
+            return h, PagedKVCache(tuple(new_k), tuple(new_v), cache.page_table)
+        return h, KVCache(tuple(new_k), tuple(new_v))
 
     def logits_from_hidden(self, h_btd):
         dt = self.cfg.dtype
@@ -281,8 +299,7 @@ class Decoder(nnx.Module):
             w_dv = self.lm_head[...].astype(dt)
         return (h_btd.astype(dt) @ w_dv).astype(jnp.float32)
 
-    def __call__(self, input_ids, positions=None, cache: Optional[KVCache] = None,
-                 segment_ids=None):
+    def __call__(self, input_ids, positions=None, cache=None, segment_ids=None):
         h, new_cache = self.hidden_states(input_ids, positions, cache, segment_ids)
         logits = self.logits_from_hidden(h)
         return logits if cache is None else (logits, new_cache)

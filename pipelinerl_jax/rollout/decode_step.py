@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from pipelinerl_jax.models import Decoder, KVCache
 from pipelinerl_jax.models.model import rope_frequencies
+from pipelinerl_jax.models.paged_attention import paged_attention, write_pages
 
 
 def _attention(attn, x_bd, pos_b, inv_freq, ck, cv, cache_len: int):
@@ -56,6 +57,19 @@ def _attention(attn, x_bd, pos_b, inv_freq, ck, cv, cache_len: int):
     return attn.output(out_bkgx.reshape(b, cfg.num_heads, cfg.head_dim)), ck, cv
 
 
+def _paged_attention(attn, x_bd, pos_b, inv_freq, pool_k, pool_v, tables_bn, n_pages: int):
+    """`_attention` over a paged cache: the step's K/V go to each row's page for `pos_b`
+    (rows whose position is past their table write nowhere), then `paged_attention` reads
+    the first `n_pages` pages of each row (the seam a Pallas kernel replaces)."""
+    cfg = attn.cfg
+    b = x_bd.shape[0]
+    q, k, v = attn.project(x_bd[:, None], pos_b[:, None], inv_freq)
+    pool_k = write_pages(pool_k, tables_bn, pos_b[:, None], k)
+    pool_v = write_pages(pool_v, tables_bn, pos_b[:, None], v)
+    out = paged_attention(q, pool_k, pool_v, tables_bn, pos_b[:, None], n_pages)
+    return attn.output(out[:, 0].reshape(b, cfg.num_heads, cfg.head_dim)), pool_k, pool_v
+
+
 def init_engine_cache(cfg, batch: int, max_len: int, dtype=None) -> KVCache:
     """A zero cache in the engine layout: per layer keys `[B, K, X, S]`, values `[B, K, S, X]`."""
     dtype = dtype or cfg.dtype
@@ -81,24 +95,34 @@ def write_rows(cache: KVCache, model_cache: KVCache, rows_b) -> KVCache:
                    tuple(map(values, cache.v, model_cache.v)))
 
 
-def decode_logits(model: Decoder, token_b, pos_b, cache: KVCache, cache_len: int):
+def decode_logits(model: Decoder, token_b, pos_b, cache: KVCache, cache_len: int,
+                  tables_bn=None):
     """Logits `[B, V]` (float32) of the next token after feeding `token_b` at `pos_b`, and the
     engine-layout cache with this step's K/V written at `pos_b` (positions >= the cache size
     are dropped).
     Attention covers cache positions `< cache_len` (static), which must exceed every
-    `pos_b` of a row whose output is used."""
+    `pos_b` of a row whose output is used.
+    With `tables_bn` (`[B, N]` page tables) `cache` holds page pools (`PagedKVCache` layout,
+    `[P, C, K, X]` per layer) and attention reads each row's first `ceil(cache_len / C)`
+    pages."""
     cfg = model.cfg
     inv_freq = rope_frequencies(cfg)
     h_bd = jnp.take(model.embed[...], token_b, axis=0).astype(cfg.dtype)
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
-        a, ck, cv = _attention(layer.attn, layer.input_norm(h_bd), pos_b, inv_freq,
-                               cache.k[i], cache.v[i], cache_len)
+        if tables_bn is None:
+            a, ck, cv = _attention(layer.attn, layer.input_norm(h_bd), pos_b, inv_freq,
+                                   cache.k[i], cache.v[i], cache_len)
+        else:
+            page = cache.k[i].shape[1]
+            n_pages = min(-(-cache_len // page), tables_bn.shape[1])
+            a, ck, cv = _paged_attention(layer.attn, layer.input_norm(h_bd), pos_b, inv_freq,
+                                         cache.k[i], cache.v[i], tables_bn, n_pages)
         h_bd = h_bd + a.astype(h_bd.dtype)
         h_bd = h_bd + layer.mlp(layer.post_attn_norm(h_bd)).astype(h_bd.dtype)
         new_k.append(ck)
         new_v.append(cv)
     logits = model.logits_from_hidden(model.final_norm(h_bd))
-    return logits, KVCache(tuple(new_k), tuple(new_v))
+    return logits, cache._replace(k=tuple(new_k), v=tuple(new_v))
 
 

@@ -11,6 +11,12 @@ state split evenly over the engine mesh; a backend without stats, e.g. CPU, is c
 against the host's available memory) and raises a `ConfigError` naming the keys to change,
 so a config that cannot fit fails at start-up instead of running out of memory mid-run.
 A `HEADROOM` share of that memory is left for activations and XLA workspace.
+
+The paged layout (`engine.kv_layout='paged'`) allocates a page pool instead, sized by
+`kv_budget_tokens` (rounded up to whole pages) or, with `engine.kv_memory_fraction`, from
+the free memory itself (`pool_pages_for_memory`: that fraction of what the weights leave);
+`check_fits` then checks the pool's bytes (`paged_cache_bytes`), and a config no longer has
+to fit `max_slots x max_seq_len`.
 """
 from __future__ import annotations
 
@@ -29,6 +35,34 @@ def kv_cache_bytes(model_cfg, max_slots: int, max_seq_len: int, dtype) -> int:
     """Bytes of the dense engine cache (`init_engine_cache`'s arrays)."""
     per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
     return int(per_token * max_slots * max_seq_len * np.dtype(dtype).itemsize)
+
+
+def page_bytes(model_cfg, page_size: int, dtype) -> int:
+    """Bytes of one page in every layer (keys and values)."""
+    return kv_cache_bytes(model_cfg, 1, page_size, dtype)
+
+
+def paged_cache_bytes(model_cfg, num_pages: int, page_size: int, dtype) -> int:
+    """Bytes of the paged engine cache (`init_paged_cache`'s pools)."""
+    return num_pages * page_bytes(model_cfg, page_size, dtype)
+
+
+def pool_pages_for_memory(model_cfg, page_size: int, dtype, fraction: float,
+                          devices: Sequence, prefix: str = "engine",
+                          available: Optional[int] = None) -> int:
+    """Pages in `fraction` of the memory the weights leave free on `devices` (`available`
+    overrides the measurement); `ConfigError` when it cannot be measured or holds no page."""
+    free = free_bytes(devices) if available is None else available
+    key = f"{prefix}.kv_memory_fraction"
+    if free is None:
+        raise cfg_lib.ConfigError(key, f"the free memory of {devices[0].platform} devices "
+                                       f"cannot be measured; set {prefix}.kv_budget_tokens")
+    pages = int(fraction * (free - weight_bytes(model_cfg, dtype))
+                // page_bytes(model_cfg, page_size, dtype))
+    if pages < 1:
+        raise cfg_lib.ConfigError(key, f"{fraction} of the {free / GiB:.2f} GiB free after the "
+                                       f"weights holds no page of {page_size} tokens")
+    return pages
 
 
 def weight_bytes(model_cfg, dtype) -> int:
@@ -61,16 +95,27 @@ def free_bytes(devices: Sequence) -> Optional[int]:
 
 
 def check_fits(model_cfg, max_slots: int, max_seq_len: int, dtype, devices: Sequence,
-               prefix: str = "engine", available: Optional[int] = None) -> dict:
-    """Raises `ConfigError` when the dense KV cache plus the weights would not fit in
-    `(1 - HEADROOM)` of the devices' free memory (`available` overrides the measurement);
-    returns the figures otherwise."""
-    kv, weights = kv_cache_bytes(model_cfg, max_slots, max_seq_len, dtype), \
-        weight_bytes(model_cfg, dtype)
+               prefix: str = "engine", available: Optional[int] = None,
+               pages: Optional[tuple] = None, pool_key: str = "kv_budget_tokens") -> dict:
+    """Raises `ConfigError` when the dense KV cache (or, with `pages=(num_pages, page_size)`,
+    the page pool, sized by key `pool_key`) plus the weights would not fit in `(1 - HEADROOM)` of the devices' free
+    memory (`available` overrides the measurement); returns the figures otherwise."""
+    kv = (kv_cache_bytes(model_cfg, max_slots, max_seq_len, dtype) if pages is None
+          else paged_cache_bytes(model_cfg, *pages, dtype))
+    weights = weight_bytes(model_cfg, dtype)
     free = free_bytes(devices) if available is None else available
     out = {"kv_cache_bytes": kv, "weight_bytes": weights, "free_bytes": free}
     if free is None or kv + weights <= (1 - HEADROOM) * free:
         return out
+    if pages is not None:
+        fit = int(max(0.0, (1 - HEADROOM) * free - weights)
+                  // page_bytes(model_cfg, pages[1], dtype))
+        raise cfg_lib.ConfigError(
+            f"{prefix}.{pool_key}", f"the KV page pool ({pages[0]} pages of {pages[1]} "
+            f"tokens, {prefix}.dtype={np.dtype(dtype).name}: {kv / GiB:.2f} GiB) plus the "
+            f"weights ({weights / GiB:.2f} GiB) need more than {1 - HEADROOM:.0%} of the "
+            f"{free / GiB:.2f} GiB free on {len(devices)} device(s) ({devices[0].platform}); "
+            f"at most {fit} pages fit: lower {prefix}.{pool_key}")
     per_slot = kv_cache_bytes(model_cfg, 1, max_seq_len, dtype)
     fit = int(max(0.0, (1 - HEADROOM) * free - weights) // per_slot)
     raise cfg_lib.ConfigError(

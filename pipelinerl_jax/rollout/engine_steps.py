@@ -20,6 +20,17 @@ call returns only the sampled tokens and log-probs.
   Attention runs over the first `cache_len` positions only (a static bucket > every active
   position written in the chunk), not over all `max_seq_len` (see `decode_step`).
 
+With `page_size > 0` (`engine.kv_layout='paged'`) the device cache is a page pool per layer
+(`models.paged_attention`) instead, and `prefill` / `decode` take one more argument, the page
+tables of their rows (`[Bp, N]` / `[S, N]` int32, owned by the host's `PageAllocator` and
+sent with every call; out-of-range entries are pages a row does not hold, where writes are
+dropped). Prefill scatters the fresh K/V into the rows' pages; decode writes each step's K/V
+into the page of its position and attends over the first `ceil(cache_len / page_size)` pages.
+Inactive slots write at a position past every table (dropped). Decode there runs over the
+first `rows` slots only (a static row bucket): the scheduler packs running samples into the
+lowest slots (`permute` moves slot state; their K/V stays in its pages, only the page-table
+row moves), so a long tail of few samples does not pay for every slot.
+
 Shapes are static per (prefill batch bucket, prompt-length bucket) and per cache-length
 bucket, so steady-state serving compiles nothing new. The compiled programs are cached per
 (model config, engine shape) at module level, so engines of the same shape share them.
@@ -35,6 +46,7 @@ from flax import nnx
 
 from pipelinerl_jax.models import Decoder, KVCache, init_cache
 from pipelinerl_jax.models.config import ModelConfig
+from pipelinerl_jax.models.paged_attention import write_pages
 from pipelinerl_jax.rollout.decode_step import decode_logits, write_rows
 from pipelinerl_jax.rollout.sampling import RowParams, is_stop, sample
 
@@ -60,19 +72,23 @@ def empty_slots(num_slots: int, max_stop_tokens: int) -> SlotState:
 
 class StepFns(NamedTuple):
     prefill: callable
-    decode: callable  # decode(params, cache, slots, refill_at, cache_len=static)
+    # decode(params, cache, slots, refill_at[, tables], cache_len=static, rows=static)
+    decode: callable
     release: callable
+    permute: callable  # permute(slots, perm): slot state rows reordered (paged compaction)
 
 
 @functools.lru_cache(maxsize=None)
 def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode: str,
-             cache_sharding, replicated) -> StepFns:
+             cache_sharding, replicated, page_size: int = 0) -> StepFns:
     """Jitted programs for one engine shape (cached for the process's lifetime: engines of
-    one shape share executables)."""
+    one shape share executables); `page_size > 0`: over a paged cache."""
     graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))[0]
+    # where inactive slots write: past the end of the dense cache / of every page table
+    nowhere = -(-max_seq_len // page_size) * page_size if page_size else max_seq_len
 
     def prefill(params, cache: KVCache, slots: SlotState, ids_bt, lengths_b, slot_idx_b,
-                rows: RowParams):
+                rows: RowParams, tables_bn=None):
         model = nnx.merge(graphdef, params)
         b, t = ids_bt.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -83,7 +99,12 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         token_b, logp_b = sample(logits_bv, rows, lengths_b, logprob_mode)
         done_b = is_stop(token_b, rows.stop_ids) | (lengths_b + 1 >= rows.limit)
 
-        cache = write_rows(cache, fresh, slot_idx_b)
+        if tables_bn is None:
+            cache = write_rows(cache, fresh, slot_idx_b)
+        else:  # padding rows' tables hold no page: their writes are dropped
+            cache = cache._replace(
+                k=tuple(write_pages(p, tables_bn, positions, f) for p, f in zip(cache.k, fresh.k)),
+                v=tuple(write_pages(p, tables_bn, positions, f) for p, f in zip(cache.v, fresh.v)))
 
         def scatter(dst, src):
             return dst.at[slot_idx_b].set(src, mode="drop")
@@ -92,7 +113,14 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
                           rows=jax.tree.map(scatter, slots.rows, rows))
         return cache, slots, (token_b, logp_b, done_b)
 
-    def decode(params, cache: KVCache, slots: SlotState, refill_at, cache_len: int):
+    def decode(params, cache: KVCache, slots: SlotState, refill_at, tables_bn=None, *,
+               cache_len: int, rows=None):
+        if rows is not None:  # only the first `rows` slots (the paged layout packs them)
+            cache, head, out = decode(params, cache, jax.tree.map(lambda x: x[:rows], slots),
+                                      refill_at, tables_bn, cache_len=cache_len)
+            slots = jax.tree.map(lambda full, part: full.at[:rows].set(part), slots, head)
+            tok, logp, emit, active, n = out
+            return cache, slots, (tok, logp, emit, slots.active, n)
         model = nnx.merge(graphdef, params)
         num_slots = slots.token.shape[0]
         out_tok = jnp.zeros((steps, num_slots), jnp.int32)
@@ -103,8 +131,8 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
             i, cache, slots, finished, out_tok, out_logp, out_emit = carry
             active = slots.active
             # Inactive rows write past the end of the cache: the scatter drops it.
-            pos = jnp.where(active, slots.pos, max_seq_len)
-            logits, cache = decode_logits(model, slots.token, pos, cache, cache_len)
+            pos = jnp.where(active, slots.pos, nowhere)
+            logits, cache = decode_logits(model, slots.token, pos, cache, cache_len, tables_bn)
             token, logp = sample(logits, slots.rows, slots.pos + 1, logprob_mode)
             done = active & (is_stop(token, slots.rows.stop_ids)
                              | (slots.pos + 2 >= slots.rows.limit))
@@ -128,11 +156,16 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         """Deactivates the slots where `free_b` is set (aborted requests)."""
         return slots._replace(active=slots.active & ~free_b)
 
+    def permute(slots: SlotState, perm_s):
+        """Slot `i` takes slot `perm_s[i]`'s state (a permutation)."""
+        return jax.tree.map(lambda x: x[perm_s], slots)
+
     # Outputs keep the inputs' placement, so donated buffers are reused and the next call
     # sees the same shardings (a mismatch costs a slow path on every call).
     out = (cache_sharding, replicated, replicated)
     return StepFns(
         prefill=jax.jit(prefill, donate_argnums=(1, 2), out_shardings=out),
-        decode=jax.jit(decode, donate_argnums=(1, 2), static_argnames=("cache_len",),
+        decode=jax.jit(decode, donate_argnums=(1, 2), static_argnames=("cache_len", "rows"),
                        out_shardings=out),
-        release=jax.jit(release, donate_argnums=(0,), out_shardings=replicated))
+        release=jax.jit(release, donate_argnums=(0,), out_shardings=replicated),
+        permute=jax.jit(permute, donate_argnums=(0,), out_shardings=replicated))

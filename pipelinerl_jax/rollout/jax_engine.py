@@ -11,8 +11,12 @@ engine tracks, per sample, the version of its oldest KV write (its admission ver
 'keep', reset to the new version by a 'recompute' re-prefill). Log-probs: see
 `pipelinerl_jax.rollout.sampling` (`engine.logprob_mode`).
 
-The physical cache is dense (`max_slots × max_seq_len`); `kv_budget_tokens` is the admission
-limit that models HBM on an accelerator (how many tokens of KV the device could hold).
+KV layout (`engine.kv_layout`): 'dense' (the default) holds `max_slots × max_seq_len` tokens
+of KV and `kv_budget_tokens` is the admission limit that models HBM on an accelerator (how
+many tokens of KV the device could hold); 'paged' holds a pool of `kv_budget_tokens` tokens
+(or `kv_memory_fraction` of free device memory) in pages of `page_size` that the slots share
+(`models/paged_attention.py`, `rollout/page_allocator.py`): admission by free pages, pages
+allocated as a sample grows, preemption with recompute when the pool runs dry.
 
 `engine_config` / `validate_engine_config` own the run config's `engine` section and
 `make_jax_engine` builds a rollout worker's engine: the 'jax' row of `rollout/factory.py`.
@@ -36,16 +40,19 @@ from pipelinerl_jax.models import (Decoder, flat_params, from_pretrained, param_
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models.lora import LoRASpec, adapter_shapes, merge_lora
+from pipelinerl_jax.models.paged_attention import init_paged_cache
 from pipelinerl_jax.models.params import WeightsMismatch
 from pipelinerl_jax.rollout import engine_memory, engine_steps
 from pipelinerl_jax.rollout.decode_step import init_engine_cache
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
 from pipelinerl_jax.rollout.jax_scheduler import SlotScheduler, buckets
+from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES
 from pipelinerl_jax.types import Completion, GenerationRequest
 
 KV_POLICIES = ("keep", "recompute")
+KV_LAYOUTS = ("dense", "paged")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -55,6 +62,13 @@ def engine_config() -> ml_collections.ConfigDict:
     c.max_slots = 8  # concurrent samples (decode batch rows)
     c.max_seq_len = 256  # context: prompt + generated tokens
     c.kv_budget_tokens = 0  # KV tokens admitted samples may reserve; 0 = max_slots * max_seq_len
+    # 'dense': every slot holds max_seq_len tokens of KV; 'paged': a pool of kv_budget_tokens
+    # (in pages of page_size tokens) shared by the slots, admission by free pages, preemption
+    c.kv_layout = "dense"
+    c.page_size = 16  # tokens per KV page (kv_layout='paged')
+    # paged only: size the pool to this share of the device memory the weights leave free
+    # (instead of kv_budget_tokens); 0 = off
+    c.kv_memory_fraction = 0.0
     c.prefill_buckets = ()  # prompt-length buckets; () = 16, 32, ... up to max_seq_len
     c.cache_buckets = ()  # attention-length buckets of decode; () = 64, 128, ... max_seq_len
     c.max_prefill_batch = 4  # prompts per prefill call (batch buckets: powers of two up to it)
@@ -99,6 +113,18 @@ def validate_engine_config(cfg, prefix: str = "engine") -> None:
     if 0 < cfg["kv_budget_tokens"] < 2:
         raise cfg_lib.ConfigError(k("kv_budget_tokens"), "must be 0 (unlimited) or >= 2")
     cfg_lib.one_of(root, k("kv_policy"), KV_POLICIES)
+    cfg_lib.one_of(root, k("kv_layout"), KV_LAYOUTS)
+    cfg_lib.positive_int(root, k("page_size"))
+    if cfg["page_size"] > max_seq_len:
+        raise cfg_lib.ConfigError(k("page_size"), f"{cfg['page_size']} exceeds max_seq_len "
+                                                  f"{max_seq_len}")
+    fraction = cfg_lib.number(root, k("kv_memory_fraction"), 0.0, 1.0)
+    if fraction > 0 and cfg["kv_layout"] != "paged":
+        raise cfg_lib.ConfigError(k("kv_memory_fraction"), "sizes the page pool: only with "
+                                  f"{k('kv_layout')}='paged'")
+    if fraction > 0 and cfg["kv_budget_tokens"]:
+        raise cfg_lib.ConfigError(k("kv_memory_fraction"), f"and {k('kv_budget_tokens')} "
+                                  "both size the page pool: set one")
     cfg_lib.one_of(root, k("logprob_mode"), LOGPROB_MODES)
     cfg_lib.one_of(root, k("dtype"), DTYPES)
 
@@ -149,17 +175,29 @@ class JaxEngine(InferenceEngine):
 
         # ---- device state: parameters, KV cache, per-slot state
         self._mesh = mesh if mesh is not None else sharding_lib.make_mesh((1, 1, 1))
+        devices = list(self._mesh.devices.flat)
+        self.page_size = cfg.page_size if cfg.kv_layout == "paged" else 0
+        pool = None
+        if self.page_size:  # the pool: kv_budget_tokens in whole pages, or a memory share
+            num_pages = (engine_memory.pool_pages_for_memory(
+                self.model_config, self.page_size, self.dtype, cfg.kv_memory_fraction, devices)
+                if cfg.kv_memory_fraction else -(-self.kv_budget // self.page_size))
+            self.kv_budget = num_pages * self.page_size
+            pool = (num_pages, self.page_size)
         self.memory = engine_memory.check_fits(  # before allocating: a clear error, no OOM
-            self.model_config, cfg.max_slots, cfg.max_seq_len, self.dtype,
-            list(self._mesh.devices.flat))
+            self.model_config, cfg.max_slots, cfg.max_seq_len, self.dtype, devices,
+            pages=pool, pool_key="kv_memory_fraction" if cfg.kv_memory_fraction
+            else "kv_budget_tokens")
         abstract = nnx.eval_shape(lambda: Decoder(self.model_config, nnx.Rngs(0)))
         self._abstract_state = nnx.split(abstract)[1]
         self._param_shardings = sharding_lib.state_shardings(self._abstract_state, self._mesh)
         replicated = NamedSharding(self._mesh, P())
-        cache_sharding = NamedSharding(  # engine layout: [slots, kv heads, ...]
-            self._mesh, sharding_lib.logical_to_spec((None, "kv_heads", None, None)))
+        cache_sharding = NamedSharding(  # engine layout: [slots, kv heads, ...]; paged:
+            self._mesh, sharding_lib.logical_to_spec(  # [pages, page, kv heads, head_dim]
+                (None, None, "kv_heads", None) if pool else (None, "kv_heads", None, None)))
         fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
-                                    cfg.logprob_mode, cache_sharding, replicated)
+                                    cfg.logprob_mode, cache_sharding, replicated,
+                                    self.page_size)
         initial = self._materialise(model)
         # LoRA (docs/lora.md): `model` is the frozen base, kept; a version is its adapters,
         # merged into this copy of the base (in float32) once per version by `update_weights`.
@@ -167,10 +205,15 @@ class JaxEngine(InferenceEngine):
         self._base = initial if lora is not None else None
         self._adapter_shapes = (adapter_shapes(param_shapes(self._abstract_state), lora)
                                 if lora is not None else None)
+        if pool:
+            cache = init_paged_cache(self.model_config, *pool)
+            self.pages = PageAllocator(*pool, cfg.max_slots,
+                                       pages_for(cfg.max_seq_len, self.page_size))
+        else:
+            cache = init_engine_cache(self.model_config, cfg.max_slots, cfg.max_seq_len)
+            self.pages = None
         self.scheduler = SlotScheduler(
-            fns, initial,
-            jax.device_put(init_engine_cache(self.model_config, cfg.max_slots,
-                                             cfg.max_seq_len), cache_sharding),
+            fns, initial, jax.device_put(cache, cache_sharding),
             jax.device_put(engine_steps.empty_slots(cfg.max_slots, cfg.max_stop_tokens),
                            replicated),
             num_slots=cfg.max_slots, max_seq_len=cfg.max_seq_len, kv_budget=self.kv_budget,
@@ -180,7 +223,7 @@ class JaxEngine(InferenceEngine):
             steps=cfg.steps_per_sync,
             refill=cfg.refill_threshold or max(1, cfg.max_slots // 8),
             max_stops=cfg.max_stop_tokens, kv_policy=cfg.kv_policy, seed=cfg.seed,
-            version=int(version), engine_id=engine_id)
+            version=int(version), engine_id=engine_id, pages=self.pages)
         self.prefill_buckets = self.scheduler.prefill_buckets
         self.cache_buckets = self.scheduler.cache_buckets
         self.batch_buckets = self.scheduler.batch_buckets
@@ -275,7 +318,8 @@ class JaxEngine(InferenceEngine):
             prompt = validate_request(request, self.model_config.vocab_size, self.max_seq_len,
                                       self.config.max_stop_tokens)
             limit = min(len(prompt) + int(request.params.max_new_tokens), self.max_seq_len)
-            if limit > self.kv_budget:
+            # (paged: K/V is stored for every position but the last, which is only sampled)
+            if (limit - 1 if self.page_size else limit) > self.kv_budget:
                 raise RequestError(f"request {request.request_id!r}: needs {limit} KV tokens "
                                    f"(prompt + max_new_tokens), more than "
                                    f"engine.kv_budget_tokens = {self.kv_budget}; it could "

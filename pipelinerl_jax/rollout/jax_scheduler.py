@@ -8,14 +8,22 @@ One step (a background thread calls it in a loop, or a test calls it):
      re-prefilled with the new weights (AReaL style), with `'keep'` their KV stays
      (PipelineRL style);
   2. admit queued samples, first come first served, into free slots while the KV budget
-     allows: a sample reserves `min(prompt + max_new_tokens, max_seq_len)` tokens of
-     `kv_budget_tokens` for its lifetime (conservative reservation, as SGLang's scheduler
-     does without retraction). A head-of-queue sample that does not fit blocks the queue, so
-     long requests are never starved by short ones. Admitted samples are prefilled together
-     (grouped by length, padded to a prompt-length bucket);
+     allows. Dense layout: a sample reserves `min(prompt + max_new_tokens, max_seq_len)`
+     tokens of `kv_budget_tokens` for its lifetime (conservative reservation, as SGLang's
+     scheduler does without retraction). Paged layout (`PageAllocator`): a sample is admitted
+     while the free pages cover its prompt and its first decode chunk plus the next chunk of
+     every running sample (the reserve), and holds only the pages it has written. Either
+     way a head-of-queue sample that does not fit blocks the queue, so long requests are
+     never starved by short ones. Admitted samples are prefilled together (grouped by
+     length, padded to a prompt-length bucket);
   3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
      ending early, while samples are queued, once `refill_threshold` slots have finished
-     (their slots are refilled by the next step's batched prefill).
+     (their slots are refilled by the next step's batched prefill). Paged layout: before the
+     chunk every running sample gets the pages the chunk can write, oldest first; when the
+     pool runs dry the youngest running sample (latest submitted) is preempted: its pages are
+     freed, its slot released, and it goes back to the head of the queue with the tokens it
+     generated, which its readmission re-prefills (recompute, as vLLM does) — a sample is
+     never failed for want of pages.
 A sample is one of the `n` samples of a request; each finishes and is returned on its own.
 
 `JaxEngine` owns one `SlotScheduler` and talks to it through its public methods only. The
@@ -42,6 +50,7 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
                                            check_version_order, completion_from_chunks,
                                            has_ready, take_ready)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
+from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
 from pipelinerl_jax.rollout.sampling import RowParams
 from pipelinerl_jax.types import Completion, GenerationRequest
 
@@ -64,6 +73,7 @@ class Sample:
     start_time: float = 0.0
     start_version: int = -1
     kv_version: int = -1  # oldest version among the KV writes of this sample
+    order: int = 0  # submission order on this engine (preemption takes the youngest)
     tokens: list = dataclasses.field(default_factory=list)
     logps: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
@@ -86,13 +96,16 @@ class SlotScheduler:
     `fns`: the compiled programs (`engine_steps.step_fns`); `params`, `cache`, `slots_dev`:
     the initial device state; `shape`: `num_slots`, `max_seq_len`, `kv_budget`, the three
     bucket tuples, `steps` (decode steps per chunk), `refill` (refill threshold),
-    `max_stops`, `kv_policy`, `seed` (of unseeded requests' seeds).
+    `max_stops`, `kv_policy`, `seed` (of unseeded requests' seeds). `pages`: the paged
+    layout's allocator (then `cache` holds page pools and `kv_budget` is unused), None for
+    the dense layout.
     """
 
     def __init__(self, fns, params, cache, slots_dev, *, num_slots: int, max_seq_len: int,
                  kv_budget: int, prefill_buckets: tuple, cache_buckets: tuple,
                  batch_buckets: tuple, steps: int, refill: int, max_stops: int,
-                 kv_policy: str, seed: int, version: int, engine_id: str):
+                 kv_policy: str, seed: int, version: int, engine_id: str,
+                 pages: Optional[PageAllocator] = None):
         self.num_slots, self.max_seq_len, self.kv_budget = num_slots, max_seq_len, kv_budget
         self.prefill_buckets, self.cache_buckets = prefill_buckets, cache_buckets
         self.batch_buckets = batch_buckets
@@ -116,6 +129,10 @@ class SlotScheduler:
         self._error: Optional[str] = None
         self._seed_counter = 0
         self._stats = StatsWindow()
+        self._pages = pages
+        self._submitted = 0
+        # paged: decode runs over the first `rows` slots, running samples packed there
+        self.row_buckets = (buckets((), 8, num_slots) if pages is not None else (num_slots,))
 
     # ------------------------------------------------------------------ state
 
@@ -167,7 +184,9 @@ class SlotScheduler:
                 else:
                     seed = int(p.seed) % 2**32
                 for i in range(int(p.n)):
-                    self._queue.append(Sample(request, i, prompt, seed, limit, now))
+                    self._queue.append(Sample(request, i, prompt, seed, limit, now,
+                                              order=self._submitted))
+                    self._submitted += 1
                 self._live[request.request_id] = int(p.n)
             self._cv.notify_all()
 
@@ -197,7 +216,7 @@ class SlotScheduler:
                 free = np.zeros((self.num_slots,), bool)
                 free[running] = True
                 self._slots_dev = self._fns.release(self._slots_dev, free)
-            for s in queued + [self._slots[i] for i in running]:
+            for s in queued + [self._slots[i] for i in running]:  # (frees their pages)
                 self._finish(s, "abort")
             return len(queued) + len(running)
 
@@ -255,6 +274,11 @@ class SlotScheduler:
             self._version = version
             self._stats.add(updates_applied=1)
         if self._kv_policy == "recompute":
+            if self._pages is not None:  # the re-prefill writes the pending token's K/V too
+                for i in self._by_age():
+                    s = self._slots[i]
+                    if s is not None:
+                        self._grow_or_preempt(i, s.pos + 1)
             running = [s for s in self._slots if s is not None]
             for s in running:
                 s.kv_version = version
@@ -323,18 +347,89 @@ class SlotScheduler:
             batch = []
             with self._cv:
                 free = [i for i, s in enumerate(self._slots) if s is None]
-                while self._queue and free and \
-                        self._reserved + self._queue[0].limit <= self.kv_budget:
-                    s = self._queue.popleft()
-                    slot = free.pop(0)
+                growth = self._running_growth()
+                while self._queue and free:
+                    s = self._queue[0]
+                    if self._pages is None:  # dense: reserve the whole lifetime up front
+                        if self._reserved + s.limit > self.kv_budget:
+                            break
+                        self._reserved += s.limit
+                        slot = free.pop(0)
+                    else:  # paged: the prompt (and tokens so far) + first chunk + reserve
+                        length = len(s.prompt) + s.n_generated
+                        need = pages_for(self._chunk_end(s, length), self._pages.page_size)
+                        if need + growth > self._pages.free_pages:
+                            break
+                        slot = free.pop(0)
+                        self._pages.grow(slot, length)
+                        growth += self._pages.missing(slot, self._chunk_end(s, length))
+                    self._queue.popleft()
                     self._slots[slot] = s
-                    self._reserved += s.limit
-                    s.start_time, s.start_version = time.time(), self._version
-                    s.kv_version = self._version
-                    batch.append((s, slot, s.prompt))
+                    if s.start_version < 0:  # (a preempted sample keeps its first start)
+                        s.start_time, s.start_version = time.time(), self._version
+                    s.kv_version = self._version  # every K/V it attends to is written now
+                    # a preempted sample re-prefills what it generated (its pending token too)
+                    batch.append((s, slot, s.sequence() if s.n_generated else s.prompt))
             if not batch:
                 return produced
             produced += self._prefill(batch)
+
+    # ------------------------------------------------------------------ pages
+
+    def _chunk_end(self, s: Sample, pending: int) -> int:
+        """Positions whose K/V exist after a decode chunk that starts with the pending token
+        at `pending` (at least `pending`: a prefill writes everything before it)."""
+        return max(pending, min(pending + self._steps, s.limit - 1))
+
+    def _running_growth(self) -> int:  # holds _cv
+        """Pages the running samples' next decode chunk can still need."""
+        if self._pages is None:
+            return 0
+        return sum(self._pages.missing(i, self._chunk_end(s, s.pos))
+                   for i, s in enumerate(self._slots) if s is not None)
+
+    def _by_age(self) -> list:
+        """Occupied slots, oldest sample (first submitted) first."""
+        return sorted((i for i, s in enumerate(self._slots) if s is not None),
+                      key=lambda i: self._slots[i].order)
+
+    def _grow_or_preempt(self, slot: int, tokens: int) -> bool:
+        """Makes `slot` hold pages for `tokens` positions, preempting the youngest running
+        samples while the pool is short; False when `slot`'s own sample was preempted."""
+        while not self._pages.grow(slot, tokens):
+            victim = max(self._by_age(), key=lambda i: self._slots[i].order)
+            self._preempt(victim)
+            if victim == slot:
+                return False
+        return True
+
+    def _pack(self, running: list, rows: int) -> list:
+        """Moves the running samples of slots >= `rows` into free slots below it (their
+        pages stay; slot state and page-table rows move); returns the running slots."""
+        holes = [i for i in range(rows) if self._slots[i] is None]
+        perm = np.arange(self.num_slots, dtype=np.int32)
+        with self._cv:
+            for src in [i for i in running if i >= rows]:
+                dst = holes.pop(0)
+                perm[dst], perm[src] = src, dst
+                self._slots[dst], self._slots[src] = self._slots[src], None
+                self._pages.swap(src, dst)
+                self._stats.totals["slot_moves"] += 1
+        self._slots_dev = self._fns.permute(self._slots_dev, perm)
+        return [i for i, s in enumerate(self._slots) if s is not None]
+
+    def _preempt(self, slot: int) -> None:
+        """Frees `slot`'s pages and slot and puts its sample back at the head of the queue;
+        its readmission re-prefills its prompt and the tokens it generated so far."""
+        s = self._slots[slot]
+        self._pages.release(slot)
+        free = np.zeros((self.num_slots,), bool)
+        free[slot] = True
+        self._slots_dev = self._fns.release(self._slots_dev, free)
+        with self._cv:
+            self._slots[slot] = None
+            self._queue.appendleft(s)  # youngest preempted first: the oldest ends up first
+            self._stats.totals["preemptions"] += 1
 
     def _prefill(self, entries) -> int:
         """Prefills `(sample, slot, token sequence)` entries and records each first token."""
@@ -352,9 +447,14 @@ class SlotScheduler:
                 ids[j, :len(seq)] = seq
                 lengths[j], slot_idx[j] = len(seq), slot
                 _fill_row(rows, j, s)
-            self._cache, self._slots_dev, out = self._fns.prefill(
-                self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
-                RowParams(**rows))
+            args = (self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
+                    RowParams(**rows))
+            if self._pages is not None:
+                tables = np.full((bp, self._pages.max_pages), self._pages.num_pages, np.int32)
+                for j, (_, slot, _) in enumerate(group):
+                    tables[j] = self._pages.tables[slot]
+                args += (tables,)
+            self._cache, self._slots_dev, out = self._fns.prefill(*args)
             token, logp, done = jax.device_get(out)
             for j, (s, slot, _) in enumerate(group):
                 self._record(s, token[j:j + 1], logp[j:j + 1])
@@ -371,17 +471,29 @@ class SlotScheduler:
                     stop_ids=np.full((b, self._max_stops), -1, np.int32))
 
     def _decode(self) -> int:
+        if self._pages is not None:  # pages for what this chunk can write, oldest first
+            for i in self._by_age():
+                s = self._slots[i]
+                if s is not None:
+                    self._grow_or_preempt(i, self._chunk_end(s, s.pos))
         running = [i for i, s in enumerate(self._slots) if s is not None]
         if not running:
             return 0
+        rows = next(b for b in self.row_buckets if b >= len(running))
+        if running[-1] >= rows:
+            running = self._pack(running, rows)
         need = max(self._slots[i].pos for i in running) + self._steps
         cache_len = next((b for b in self.cache_buckets if b >= need), self.max_seq_len)
         with self._cv:
             queued = len(self._queue)
         refill_at = min(queued, self._refill)  # 0 when nothing waits: run the whole chunk
+        if self._pages is None:
+            extra, static = (), {}
+        else:
+            extra, static = (self._pages.tables[:rows].copy(),), {"rows": rows}
         self._cache, self._slots_dev, out = self._fns.decode(
-            self._params, self._cache, self._slots_dev, np.int32(refill_at),
-            cache_len=cache_len)
+            self._params, self._cache, self._slots_dev, np.int32(refill_at), *extra,
+            cache_len=cache_len, **static)
         tokens, logps, emitted, active, n = jax.device_get(out)
         produced = 0
         for i in running:
@@ -416,8 +528,12 @@ class SlotScheduler:
             submit_time=s.submit_time, start_time=s.start_time)
         with self._cv:
             if s in self._slots:
-                self._slots[self._slots.index(s)] = None
-                self._reserved -= s.limit
+                slot = self._slots.index(s)
+                self._slots[slot] = None
+                if self._pages is None:
+                    self._reserved -= s.limit
+                else:
+                    self._pages.release(slot)
             rid = s.request.request_id
             self._live[rid] -= 1
             if not self._live[rid]:
@@ -457,8 +573,7 @@ class SlotScheduler:
                 "queued_samples": len(self._queue),
                 "queued_requests": len({s.request.request_id for s in self._queue}),
                 "kv_tokens_in_use": sum(s.pos + 1 for s in running),
-                "kv_tokens_reserved": self._reserved,
-                "kv_budget_tokens": self.kv_budget,
+                **self._kv_figures(),
                 # averages over the window since the previous stats() call
                 **window_rates(w, span),
                 "slot_occupancy": w["slot_steps"] / max(w["decode_steps"] * self.num_slots, 1),
@@ -471,9 +586,23 @@ class SlotScheduler:
                 "completed_samples": c["completed_samples"],
                 "prefill_calls": c["prefill_calls"],
                 "updates_applied": c["updates_applied"],
+                "preemptions": c["preemptions"],
                 "compiled_programs": sum(f._cache_size() for f in (
-                    self._fns.prefill, self._fns.decode, self._fns.release)),
+                    self._fns.prefill, self._fns.decode, self._fns.release,
+                    self._fns.permute)),
             }
+
+    def _kv_figures(self) -> dict:  # holds _cv
+        """KV reserved and budget in tokens (the paged layout: pages held / in the pool)."""
+        if self._pages is None:
+            return {"kv_layout": "dense", "kv_tokens_reserved": self._reserved,
+                    "kv_budget_tokens": self.kv_budget}
+        c = self._pages.page_size
+        return {"kv_layout": "paged", "kv_tokens_reserved": self._pages.used_pages * c,
+                "kv_budget_tokens": self._pages.num_pages * c, "page_size": c,
+                "kv_pages_total": self._pages.num_pages,
+                "kv_pages_free": self._pages.free_pages,
+                "slot_moves": self._stats.totals["slot_moves"]}
 
     def warmup(self) -> int:
         """Compiles every (prefill batch, prompt length) and cache-length program up front,
@@ -483,21 +612,40 @@ class SlotScheduler:
             for bp in self.batch_buckets:
                 for t in self.prefill_buckets:
                     self._cache, self._slots_dev, out = self._fns.prefill(
-                        self._params, self._cache, self._slots_dev, np.zeros((bp, t), np.int32),
+                        self._params, self._cache, self._slots_dev,
+                        np.zeros((bp, t), np.int32),
                         np.ones((bp,), np.int32), np.full((bp,), self.num_slots, np.int32),
-                        RowParams(**self._row_params(bp)))
+                        RowParams(**self._row_params(bp)), *self._no_pages(bp))
                     jax.block_until_ready(out)
                     n += 1
             for cache_len in self.cache_buckets:
-                # Decode with every slot inactive runs zero steps and leaves the cache as is.
-                active = self._slots_dev.active
-                idle = self._slots_dev._replace(active=jnp.zeros_like(active))
-                self._cache, idle, out = self._fns.decode(
-                    self._params, self._cache, idle, np.int32(0), cache_len=cache_len)
-                self._slots_dev = idle._replace(active=active)
-                jax.block_until_ready(out)
+                for rows in self.row_buckets:
+                    # Decode with every slot inactive runs zero steps, leaves the cache as is.
+                    static = {} if self._pages is None else {"rows": rows}
+                    active = self._slots_dev.active
+                    idle = self._slots_dev._replace(active=jnp.zeros_like(active))
+                    self._cache, idle, out = self._fns.decode(
+                        self._params, self._cache, idle, np.int32(0), *self._no_pages(rows),
+                        cache_len=cache_len, **static)
+                    self._slots_dev = idle._replace(active=active)
+                    jax.block_until_ready(out)
+                    n += 1
+            # release: aborts, and (paged) preemptions, which a dry pool can need any time
+            self._slots_dev = self._fns.release(self._slots_dev,
+                                                np.zeros((self.num_slots,), bool))
+            n += 1
+            if self._pages is not None:  # (packing running samples into the low slots)
+                self._slots_dev = self._fns.permute(
+                    self._slots_dev, np.arange(self.num_slots, dtype=np.int32))
                 n += 1
         return n
+
+
+    def _no_pages(self, rows: int) -> tuple:
+        """The page-table argument of `rows` rows holding no page (none for dense)."""
+        if self._pages is None:
+            return ()
+        return (np.full((rows, self._pages.max_pages), self._pages.num_pages, np.int32),)
 
 
 def _fill_row(rows: dict, j: int, s: Sample) -> None:

@@ -32,8 +32,15 @@ def check_recompute(c, models, reference, temperature=1.0):
                                    err_msg=f"{c.request_id}: tokens of version {v}")
 
 
-def test_recompute_logprobs_follow_each_tokens_version(models, reference):
-    eng = make_engine(models[0], kv_policy="recompute")
+# Provenance must hold on both KV layouts (the paged one with a pool as large as the dense
+# cache: no preemption here; tests/rollout/test_paged_engine.py covers preemption).
+LAYOUTS = pytest.mark.parametrize("layout", [{}, {"kv_layout": "paged", "page_size": 8}],
+                                  ids=["dense", "paged"])
+
+
+@LAYOUTS
+def test_recompute_logprobs_follow_each_tokens_version(models, reference, layout):
+    eng = make_engine(models[0], kv_policy="recompute", **layout)
     reqs = random_requests(6, seed=5, lognormal=(3.3, 0.3), max_new_cap=45)
     for r in reqs:
         eng.submit(r)
@@ -57,8 +64,9 @@ def test_recompute_logprobs_follow_each_tokens_version(models, reference):
         check_recompute(c, models, reference)
 
 
-def test_keep_policy_provenance_and_logprobs(models, replay_keep, reference):
-    eng = make_engine(models[0], kv_policy="keep")
+@LAYOUTS
+def test_keep_policy_provenance_and_logprobs(models, replay_keep, reference, layout):
+    eng = make_engine(models[0], kv_policy="keep", **layout)
     reqs = random_requests(4, seed=6, lognormal=(3.3, 0.2), max_new_cap=40, temperature=0.8)
     for r in reqs:
         eng.submit(r)

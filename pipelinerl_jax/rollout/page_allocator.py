@@ -1,0 +1,76 @@
+"""Host-side bookkeeping of the paged KV cache: which pool pages are free, which each sequence
+holds, and the page-table rows the device programs read (`models/paged_attention.py`).
+
+Pure Python/NumPy, no device work, so the scheduler's admission and preemption decisions
+are cheap and deterministic (the free list is a stack: a freed page is the next one handed
+out, whatever the thread timing).
+"""
+from __future__ import annotations
+
+from typing import Dict, Hashable, List
+
+import numpy as np
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` positions (0 for none)."""
+    return -(-max(int(tokens), 0) // page_size)
+
+
+class PageAllocator:
+    """`num_pages` pages of `page_size` tokens; an owner (a batch row) holds a list of pages,
+    its table row lists them in order and pads with `num_pages` (out of range: the device
+    drops writes there and masks reads). A sequence never holds more than `max_pages`."""
+
+    def __init__(self, num_pages: int, page_size: int, num_rows: int, max_pages: int):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, "
+                             f"{page_size}")
+        self.num_pages, self.page_size, self.max_pages = num_pages, page_size, max_pages
+        self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self._held: Dict[Hashable, List[int]] = {}
+        self.tables = np.full((num_rows, max_pages), num_pages, np.int32)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def held(self, row: int) -> int:
+        return len(self._held.get(row, ()))
+
+    def missing(self, row: int, tokens: int) -> int:
+        """Pages `row` still needs to hold `tokens` positions."""
+        return max(0, min(pages_for(tokens, self.page_size), self.max_pages) - self.held(row))
+
+    def grow(self, row: int, tokens: int) -> bool:
+        """Makes `row` hold pages for its first `tokens` positions; False (and nothing
+        allocated) when too few pages are free."""
+        need = self.missing(row, tokens)
+        if need > len(self._free):
+            return False
+        pages = self._held.setdefault(row, [])
+        for _ in range(need):
+            page = self._free.pop()
+            self.tables[row, len(pages)] = page
+            pages.append(page)
+        return True
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchanges what rows `a` and `b` hold (a sample moved to another batch row)."""
+        held_a, held_b = self._held.pop(a, None), self._held.pop(b, None)
+        if held_a is not None:
+            self._held[b] = held_a
+        if held_b is not None:
+            self._held[a] = held_b
+        self.tables[[a, b]] = self.tables[[b, a]]
+
+    def release(self, row: int) -> int:
+        """Frees every page `row` holds; returns how many."""
+        pages = self._held.pop(row, [])
+        self._free.extend(reversed(pages))
+        self.tables[row] = self.num_pages
+        return len(pages)
