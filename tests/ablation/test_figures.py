@@ -55,6 +55,7 @@ def test_script_draws_every_figure_and_names_bad_runs(results_dir, tmp_path):
     assert all("lag 64" in c for c in facts["figures"]["repro_m2po_stale_long"]["claims"])
 
 
+@pytest.mark.slow  # renders every figure of the grid
 def test_figures_from_committed_tables(results_dir, tmp_path):
     """export_tables -> CSVs -> the same figures with the same numbers (6 digits kept), except
     occupancy_vs_sim, which calibrates the simulator from raw logs."""
@@ -87,6 +88,7 @@ def _close(a, b):
     return a == b
 
 
+@pytest.mark.slow  # renders every figure of the grid
 def test_figures_missing_their_runs_are_skipped_with_a_reason(results_dir, tmp_path):
     only_injected = [os.path.join(results_dir, "runs", d)
                      for d in os.listdir(os.path.join(results_dir, "runs")) if d.startswith("inj_")]
@@ -137,6 +139,7 @@ def test_instability_events(tmp_path):
     assert len(again.rows) == 13 and again.evals[-1][2] == 0.9
 
 
+@pytest.mark.slow  # renders every figure of the grid
 def test_schedule_and_kv_policy_figures_do_not_pool_other_grids(results_dir, tmp_path):
     """A kv_policy grid (runs labelled kv_policy=..., no schedule label) committed beside a
     schedule grid stays out of sync_vs_async and lengths_and_lag, and the kv_policy figure
@@ -158,6 +161,7 @@ def test_schedule_and_kv_policy_figures_do_not_pool_other_grids(results_dir, tmp
     assert base["kv_policy"]["keep"]["4"]["final_eval_accuracy"] != pytest.approx(0.9)
 
 
+@pytest.mark.slow  # renders every figure of the grid
 def test_occupancy_figure_from_committed_tables_with_raw_runs(results_dir, tmp_path):
     """export_raw copies two runs' raw logs beside the tables; occupancy_vs_sim (which
     calibrates the simulator from raw logs) then draws from the committed folder alone, with

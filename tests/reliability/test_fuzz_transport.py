@@ -40,6 +40,8 @@ from tests.reliability.hostile import ANNOUNCED, problems
 from tests.transport.fake_weight_stream import ScriptedPublisher
 from tests.transport.transport_testlib import HandlerContext
 
+pytestmark = pytest.mark.slow  # a fuzz campaign (~10,000 cases), not inner-loop material
+
 COUNTS = collections.Counter()
 MIB = 1 << 20
 FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None,
