@@ -355,32 +355,16 @@ class ServerFleet:
         return results
 
     def _refit_server(self, s: Server, path: str, version: int):
-        """pause → update_weights_from_disk → continue on one server (LoRA: load the
-        adapter); (ok, message)."""
-        if self.lora:
-            return self._load_adapter(s, path, version)
-        mode = self.config.pause_mode
-        timeout = self.config.control_timeout_s
+        """Installs `version` on one server (full weights: `_load_weights`; LoRA:
+        `_load_adapter`) and records it; (ok, message). After a failed load SGLang keeps
+        serving what it had: the server stays in routing (its tokens carry their true version)
+        and the failure is reported."""
+        what = "loading the adapter of version" if self.lora else "refit to version"
         t0 = time.perf_counter()
         try:
-            s.client.post("/pause_generation", {"mode": mode}, timeout=timeout)
-            try:
-                answer = s.client.post("/update_weights_from_disk", {
-                    "model_path": path, "weight_version": str(version),
-                    "flush_cache": mode != "in_place", "abort_all_requests": False},
-                    timeout=timeout) or {}
-                if answer.get("success") is False:
-                    raise HTTPError(s.url, "/update_weights_from_disk", 200,
-                                    str(answer.get("message")))
-            finally:
-                with self._cv:
-                    keep_paused = self._paused
-                if not keep_paused:
-                    s.client.post("/continue_generation", {}, timeout=timeout)
+            adapter = (self._load_adapter if self.lora else self._load_weights)(s, path, version)
         except HTTPError as e:
-            # SGLang keeps serving its previous weights after a failed load: the server stays
-            # in routing (its tokens carry their true version) and the failure is reported.
-            msg = f"refit to version {version} failed: {e.message}"
+            msg = f"{what} {version} failed: {e.message}"
             log.warning("SGLang server %s: %s", s.url, msg)
             with self._cv:
                 s.refit_error = msg
@@ -390,45 +374,48 @@ class ServerFleet:
             return False, str(e)
         dt = time.perf_counter() - t0
         with self._cv:
+            if adapter is not None:
+                s.adapters.add(adapter)
+                s.adapter = adapter
             s.version = version
             s.refits += 1
             s.refit_s_total += dt
             s.last_refit_s = dt
             s.refit_error = None
+        if adapter is not None:
+            self._unload_stale(s)
         return True, ""
 
-    def _load_adapter(self, s: Server, path: str, version: int):
-        """`/load_lora_adapter` of the PEFT directory `path` as a fresh name on `s`, which
-        new jobs then name; the adapters no job needs any more are unloaded. (ok, message)"""
+    def _load_weights(self, s: Server, path: str, version: int) -> None:
+        """pause -> update_weights_from_disk -> continue (unless the fleet is paused)."""
+        mode = self.config.pause_mode
+        timeout = self.config.control_timeout_s
+        s.client.post("/pause_generation", {"mode": mode}, timeout=timeout)
+        try:
+            answer = s.client.post("/update_weights_from_disk", {
+                "model_path": path, "weight_version": str(version),
+                "flush_cache": mode != "in_place", "abort_all_requests": False},
+                timeout=timeout) or {}
+            if answer.get("success") is False:
+                raise HTTPError(s.url, "/update_weights_from_disk", 200,
+                                str(answer.get("message")))
+        finally:
+            with self._cv:
+                keep_paused = self._paused
+            if not keep_paused:
+                s.client.post("/continue_generation", {}, timeout=timeout)
+
+    def _load_adapter(self, s: Server, path: str, version: int) -> str:
+        """`/load_lora_adapter` of the PEFT directory `path` under a fresh name, which new
+        jobs then name; returns the name (nothing is registered when it fails)."""
         with self._cv:
             self._adapter_seq += 1
             name = f"v{version}.{self._adapter_seq}"
-        t0 = time.perf_counter()
-        try:
-            answer = s.client.post("/load_lora_adapter", {"lora_name": name, "lora_path": path},
-                                   timeout=self.config.control_timeout_s) or {}
-            if answer.get("success") is False:
-                raise HTTPError(s.url, "/load_lora_adapter", 200,
-                                str(answer.get("error_message")))
-        except HTTPError as e:  # the server keeps serving its adapters (nothing registered)
-            msg = f"loading the adapter of version {version} failed: {e.message}"
-            log.warning("SGLang server %s: %s", s.url, msg)
-            with self._cv:
-                s.refit_error = msg
-            return False, msg
-        except ServerUnavailable as e:
-            self.mark_down(s, str(e))
-            return False, str(e)
-        dt = time.perf_counter() - t0
-        with self._cv:
-            s.adapters.add(name)
-            s.adapter, s.version = name, version
-            s.refits += 1
-            s.refit_s_total += dt
-            s.last_refit_s = dt
-            s.refit_error = None
-        self._unload_stale(s)
-        return True, ""
+        answer = s.client.post("/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                               timeout=self.config.control_timeout_s) or {}
+        if answer.get("success") is False:
+            raise HTTPError(s.url, "/load_lora_adapter", 200, str(answer.get("error_message")))
+        return name
 
     def _unload_stale(self, s: Server) -> None:
         """Unloads `s`'s adapters that are neither its newest nor named by a job of ours on
