@@ -48,7 +48,7 @@ from pipelinerl_jax.models import (Decoder, config_qwen2_5_0_5b, flat_params,  #
 from pipelinerl_jax.models.lora import LoRASpec, add_lora  # noqa: E402
 from pipelinerl_jax.run_config import base_config  # noqa: E402
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber  # noqa: E402
-from pipelinerl_jax.types import Rollout  # noqa: E402
+from scripts.bench_real_size import synthetic_rollouts  # noqa: E402
 
 
 def _nbytes(tree) -> int:
@@ -83,17 +83,6 @@ def abstract_bytes(cfg, spec, optimizer) -> dict:
     out["learner_state_bytes_ratio"] = round(out["lora"]["learner_state_bytes"]
                                              / out["full"]["learner_state_bytes"], 5)
     return out
-
-
-def _rollouts(n: int, prompt: int, completion: int, vocab: int):
-    rng = np.random.default_rng(0)
-    return [Rollout(prompt_ids=rng.integers(3, vocab, prompt).astype(np.int32),
-                    completion_ids=rng.integers(3, vocab, completion).astype(np.int32),
-                    logp_behaviour=-rng.uniform(0.5, 4.0, completion).astype(np.float32),
-                    version=np.zeros(completion, np.int32),
-                    kv_version=np.zeros(completion, np.int32), reward=float(i % 2),
-                    advantage=float(rng.normal()), group_id=f"g-{i // 4}", group_size=4)
-            for i in range(n)]
 
 
 def time_publication(params, repeats: int) -> dict:
@@ -133,7 +122,7 @@ def time_learner(cfg, spec, a) -> dict:
     state = ts.init_state(model, optimizer, mesh)
     step = loop.make_step(run, model, optimizer, mesh, state)
     seq = a.prompt + a.completion
-    packed = batching.pack(_rollouts(a.seqs, a.prompt, a.completion, cfg.vocab_size), 0,
+    packed = batching.pack(synthetic_rollouts(a.seqs, a.prompt, a.completion, cfg.vocab_size), 0,
                            num_seqs=a.seqs, chunks=a.micro_batches, pack_len=seq,
                            completion_len=a.completion, row_divisor=1)
     batch = ts.place_batch(packed.arrays, mesh)

@@ -78,7 +78,8 @@ def measured_peaks(n: int, repeats: int, dtype, copy_bytes: int) -> dict:
     return {"matmul_gflops": flops / 1e9, "copy_gbytes_s": bw / 1e9}
 
 
-def _rollouts(n: int, prompt: int, completion: int, vocab: int):
+def synthetic_rollouts(n: int, prompt: int, completion: int, vocab: int):
+    """`n` random rollouts (groups of 4, alternating rewards) for a timed learner step."""
     rng = np.random.default_rng(0)
     return [Rollout(prompt_ids=rng.integers(3, vocab, prompt).astype(np.int32),
                     completion_ids=rng.integers(3, vocab, completion).astype(np.int32),
@@ -109,7 +110,7 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, first_peak: float) -> dict:
                               state_sharding=ts.state_shardings(state),
                               micro_batches=a.micro_batches)
     seq = a.prompt + a.completion
-    packed = batching.pack(_rollouts(a.seqs, a.prompt, a.completion, cfg.vocab_size), 0,
+    packed = batching.pack(synthetic_rollouts(a.seqs, a.prompt, a.completion, cfg.vocab_size), 0,
                            num_seqs=a.seqs, chunks=a.micro_batches, pack_len=seq,
                            completion_len=a.completion, row_divisor=sharding.batch_divisor(mesh))
     batch = ts.place_batch(packed.arrays, mesh)
