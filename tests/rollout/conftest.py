@@ -30,6 +30,15 @@ def models():
     return {v: make_model(100 + v) for v in range(5)}  # weights of versions 0..4
 
 
+def run_until(eng, n):
+    """Steps `eng` until `n` completions have come out; returns them."""
+    out = []
+    while len(out) < n:
+        eng.step()
+        out += eng.get_completions()
+    return out
+
+
 def make_engine(model, start=False, **overrides):
     return JaxEngine(model, {**SHAPE, **overrides}, start=start)
 

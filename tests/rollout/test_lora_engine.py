@@ -15,7 +15,8 @@ from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.transport.queue_client import RetryPolicy
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
 from tests.rollout.conftest import SHAPE, make_model, random_requests
-from tests.rollout.test_weight_updates import check_recompute, run_until
+from tests.rollout.conftest import run_until
+from tests.rollout.test_weight_updates import check_recompute
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 FAST = RetryPolicy(initial_s=0.01, max_s=0.1)

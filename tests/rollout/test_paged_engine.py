@@ -15,7 +15,7 @@ from pipelinerl_jax.rollout import engine_memory
 from pipelinerl_jax.rollout.engine import RequestError
 from pipelinerl_jax.rollout.jax_engine import engine_config, validate_engine_config
 from pipelinerl_jax.rollout.page_allocator import PageAllocator
-from tests.rollout.conftest import make_engine, random_requests, request
+from tests.rollout.conftest import make_engine, random_requests, request, run_until
 
 PAGED = dict(kv_layout="paged", page_size=8)
 
@@ -130,10 +130,7 @@ def test_preemption_provenance_through_an_update(models, reference):
     eng.step()
     eng.step()
     eng.update_weights(models[1], 1)
-    done = []
-    while len(done) < len(reqs):
-        eng.step()
-        done += eng.get_completions()
+    done = run_until(eng, len(reqs))
     assert eng.stats()["preemptions"] > 0
     recomputed = 0
     for c in done:
@@ -163,10 +160,7 @@ def test_recompute_update_under_a_full_pool_preempts_instead_of_failing(models, 
     for _ in range(3):
         eng.step()
     eng.update_weights(models[2], 2)
-    done = []
-    while len(done) < len(reqs):
-        eng.step()
-        done += eng.get_completions()
+    done = run_until(eng, len(reqs))
     for c in done:
         assert len(c.token_ids) == 30
         np.testing.assert_array_equal(c.kv_version, c.version)  # recompute: always fresh

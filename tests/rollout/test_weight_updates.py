@@ -9,15 +9,7 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax.models import flat_params, save_pretrained
-from tests.rollout.conftest import make_engine, make_model, random_requests, request
-
-
-def run_until(eng, n):
-    out = []
-    while len(out) < n:
-        eng.step()
-        out += eng.get_completions()
-    return out
+from tests.rollout.conftest import make_engine, make_model, random_requests, request, run_until
 
 
 def check_recompute(c, models, reference, temperature=1.0):
