@@ -1,0 +1,142 @@
+"""The simulator's paged-admission model (sim/paged.py): a case computed by hand, the real
+paged JaxEngine step for step, and the closed form config.py sizes slots with."""
+import numpy as np
+import pytest
+
+from configs.sim import tiny
+from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.sim.config import build_setup
+from pipelinerl_jax.sim.lengths import LogNormal
+from pipelinerl_jax.sim.paged import ChunkedEngine, pages_for, paged_tokens_per_sequence
+
+# Three requests of prompt 4 + 9 new tokens (limit 13) in a pool of 6 pages of 4 tokens,
+# decode chunks of 4 steps. By hand (docs/sim.md "Paged KV cache"):
+#  step 1  admit A, B, C: each needs pages_for(4 + 4) = 2 on top of the reserve so far
+#          (0, 1, 2 pages: each admitted one's first chunk) -> 2+0, 2+1, 2+2 <= 6, 5, 4 free;
+#          each holds its prompt's page (3 free); the prefill samples token 1 (pos 4).
+#          Chunk: each grows to pages_for(8) = 2 (0 free); 4 steps at 3 active (pos 8).
+#  step 2  chunk: A needs pages_for(12) = 3, none free -> preempt the youngest, C (2 pages
+#          back); A and B take one each; C is queued, so the chunk ends once min(1, refill)
+#          = 1 sequence finished: A and B both end at step 4 (pos 12 = limit - 1):
+#          4 steps at 2 active; their 6 pages free.
+#  step 3  readmit C: prompt + 5 generated = 9 positions, its chunk ends at 12: 3 pages <= 6;
+#          the re-prefill samples token 6 (pos 9); 3 steps at 1 active to its limit.
+HAND = dict(steps=[4, 4, 3], active=[3.0, 2.0, 1.0], admitted=[3, 0, 1], preempted=[0, 1, 0],
+            used_tokens=[24, 0, 0])
+HAND_ENGINE = dict(max_slots=4, max_seq_len=64, prefill_buckets=(16, 64), cache_buckets=(32, 64),
+                   max_prefill_batch=2, steps_per_sync=4, kv_layout="paged", page_size=4,
+                   kv_budget_tokens=24)
+
+
+def _hand_model():
+    return ChunkedEngine([4, 4, 4], [9, 9, 9], rule="paged", max_slots=4, max_seq_len=64,
+                         steps_per_sync=4, num_pages=6, page_size=4)
+
+
+def _check(trace, want):
+    for key, value in want.items():
+        np.testing.assert_array_equal(getattr(trace, key), value, err_msg=key)
+
+
+def test_paged_admission_by_hand():
+    trace = _hand_model().run()
+    _check(trace, HAND)
+    assert trace.completed == 3
+    np.testing.assert_array_equal(trace.queued, [False, True, False])
+    summary = trace.summary()
+    assert summary["mean_active"] == (12 + 8 + 3) / 11 and summary["p50_active"] == 2.0
+    assert summary["mean_active_while_queued"] == summary["p50_active_while_queued"] == 2.0
+    assert summary["decode_steps"] == 11 and summary["preemptions"] == 1
+
+
+def test_reservation_rule_by_hand():
+    # The dense rule: each reserves its limit (13) of 26 tokens: two run, the third waits
+    # for a whole lifetime (the prefill's token + 8 decode steps = 2 chunks of 4), then runs
+    # alone; the reservation is held whole from admission to the end.
+    trace = ChunkedEngine([4, 4, 4], [9, 9, 9], rule="reserve", max_slots=4, max_seq_len=64,
+                          steps_per_sync=4, budget_tokens=26).run()
+    _check(trace, dict(steps=[4, 4, 4, 4], active=[2, 2, 1, 1], admitted=[2, 0, 1, 0],
+                       preempted=[0] * 4, used_tokens=[26, 0, 13, 0]))
+
+
+def _engine_trace(config, prompts, new_tokens):
+    from flax import nnx
+
+    from pipelinerl_jax.models import Decoder, tiny_config
+    from pipelinerl_jax.rollout.jax_engine import JaxEngine
+    from pipelinerl_jax.sim.paged import record_engine
+    from pipelinerl_jax.types import GenerationRequest, SamplingParams
+    cfg = tiny_config()
+    rng = np.random.default_rng(0)
+    reqs = [GenerationRequest(f"r{i}", rng.integers(1, cfg.vocab_size, p).astype(np.int32),
+                              SamplingParams(max_new_tokens=int(m), temperature=0.0, seed=i))
+            for i, (p, m) in enumerate(zip(prompts, new_tokens))]
+    eng = JaxEngine(Decoder(cfg, nnx.Rngs(0)), config, start=False)
+    try:
+        eng.stats()
+        eng.submit_batch(reqs)  # no stop tokens: every request runs to max_new_tokens
+        return record_engine(eng, len(reqs))
+    finally:
+        eng.close()
+
+
+def test_engine_follows_the_hand_computed_case_and_a_random_workload():
+    """The paged JaxEngine, stepped by hand, admits, preempts and decodes exactly as the model
+    predicts: the hand case above, and 24 long-tailed requests in the same 6-page pool (one
+    pool shape: the second case reuses the first one's compiled programs)."""
+    _check(_engine_trace(HAND_ENGINE, [4, 4, 4], [9, 9, 9]), HAND)
+
+    rng = np.random.default_rng(7)
+    new = LogNormal(median=8, tail=18, max_len=18).sample(rng, 24)  # 5 preemptions
+    prompts = rng.integers(2, 7, 24)
+    got = _engine_trace(HAND_ENGINE, prompts, new)
+    want = ChunkedEngine(prompts, new, rule="paged", max_slots=4, max_seq_len=64,
+                         steps_per_sync=4, num_pages=6, page_size=4).run()
+    _check(got, {k: getattr(want, k)
+                 for k in ("steps", "admitted", "preempted", "used_tokens", "queued")})
+    np.testing.assert_allclose(got.active, want.active, rtol=1e-6)
+    assert want.preempted.sum() > 0 and got.completed == want.completed == 24
+
+
+def test_closed_form_matches_the_model_in_steady_state():
+    """pool / paged_tokens_per_sequence predicts the mean active sequences while the queue is
+    fed, within 10%, where the unpaged 'expected' form (no chunk, no page rounding) is off by
+    more than that."""
+    dist = LogNormal(median=40, tail=300, max_len=400)
+    rng = np.random.default_rng(1)
+    new, prompt, page, chunk = dist.sample(rng, 3000), 32, 16, 16
+    pool_pages = 400  # 6,400 tokens
+    trace = ChunkedEngine(np.full(new.size, prompt), new, rule="paged", max_slots=1024,
+                          max_seq_len=prompt + 400, steps_per_sync=chunk,
+                          num_pages=pool_pages, page_size=page).run()
+    fed = trace.queued
+    measured = np.dot(trace.active[fed], trace.steps[fed]) / trace.steps[fed].sum()
+    m1, m2 = float(new.mean()), float((new.astype(float) ** 2).mean())
+    predicted = pool_pages * page / paged_tokens_per_sequence(prompt, m1, m2, page, chunk)
+    unpaged = pool_pages * page / (prompt + m2 / (2 * m1))
+    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
+    assert unpaged / measured - 1 > 0.15, (unpaged, measured)
+
+
+def test_paged_budget_in_the_simulator_config():
+    c = tiny.get_config()
+    c.rollout.concurrency = 100_000  # let the KV budget decide
+    expected = build_setup(c)
+    c.rollout.kv_budget = "paged"
+    c.rollout.page_size, c.rollout.steps_per_sync = 16, 32
+    paged = build_setup(c)
+    m1, m2 = paged.lengths.moments()
+    per_seq = paged_tokens_per_sequence(16, m1, m2, 16, 32)
+    assert paged.slots == int(paged.kv_capacity_tokens // per_seq) < expected.slots
+    for key in ("rollout.page_size", "rollout.steps_per_sync"):
+        c2 = tiny.get_config()
+        c2.rollout.kv_budget = "paged"
+        node, leaf = key.split(".")
+        c2[node][leaf] = 0
+        with pytest.raises(ConfigError) as e:
+            build_setup(c2)
+        assert e.value.key == key
+
+
+def test_pages_for():
+    assert [pages_for(t, 4) for t in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
