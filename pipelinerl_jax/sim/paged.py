@@ -26,10 +26,11 @@ A chunk runs up to `steps_per_sync` steps and, while sequences are queued, stops
 next admission). A prefill samples one token; a sequence whose prompt + 1 reaches its limit
 ends there.
 
-`paged_tokens_per_sequence` is the closed form config.py turns into slots for `EnginePool`
-(`rollout.kv_budget='paged'`): the tokens of pool a running sequence accounts for in steady
-state (docs/sim.md "Paged KV cache" derives it and `scripts/sim_paged_agreement.py` checks it
-against this model and the engine).
+`paged_concurrency` is the closed form config.py turns into slots for `EnginePool`
+(`rollout.kv_budget='paged'`): the mean active sequences of a fed paged engine, from the pool
+tokens a sequence holds over its stay in whole chunks (`paged_tokens_per_sequence`). docs/sim.md
+"Paged KV cache" derives it; tests/sim/test_sim_paged.py and scripts/sim_paged_agreement.py
+check it against this model and the engine.
 """
 from __future__ import annotations
 
@@ -44,14 +45,50 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-max(int(tokens), 0) // page_size)
 
 
-def paged_tokens_per_sequence(prompt_mean: float, m1: float, m2: float, page_size: int,
-                              steps_per_sync: int) -> float:
-    """Pool tokens one running sequence accounts for, on average, under paged admission with
-    a kept-full queue: its cache at a random time, `prompt + E[L²]/(2E[L])` (the length-biased
-    mean age of a running sequence, as for `'expected'`), plus the chunk it holds or reserves
-    pages for (`steps_per_sync`: admission keeps every running sequence's next chunk free),
-    plus the unused part of its last page (`(page_size - 1) / 2` on average)."""
-    return prompt_mean + m2 / (2.0 * m1) + steps_per_sync + (page_size - 1) / 2.0
+def paged_tokens_per_sequence(prompts, decode_steps, page_size: int, steps_per_sync: int,
+                              chunk: float | None = None) -> float:
+    """Pool tokens per active sequence under paged admission with a kept-full queue: the
+    pool's token-steps a sequence holds over its stay, divided by the steps it decodes.
+
+    A sequence of prompt P decoding D steps is admitted at a chunk boundary and stays until
+    the end of the chunk it finishes in: k = ceil(D / ĉ) chunks of ĉ steps (ĉ = `chunk`,
+    the mean chunk length; `steps_per_sync` = c when chunks run whole). In its j-th chunk it
+    holds the pages of min(P + j·ĉ + c, P + D) positions (its cache plus the chunk it may
+    write, up to its last position), plus on average (page_size - 1) / 2 unused in its last
+    page. Summed over its stay, times ĉ, over D; averaged over the lengths (`prompts`,
+    `decode_steps`: samples, or a scalar prompt). With ĉ -> 1, c -> 0 and pages of one token
+    this is `'expected'`'s prompt + E[D²]/(2E[D]) (docs/sim.md "Paged KV cache")."""
+    d = np.maximum(np.asarray(decode_steps, np.float64), 1.0)
+    p = np.broadcast_to(np.asarray(prompts, np.float64), d.shape)
+    c = float(steps_per_sync)
+    chunk = c if chunk is None else float(chunk)
+    r = (page_size - 1) / 2.0
+    k = np.ceil(d / chunk)  # chunks of its stay
+    grow = np.clip(np.ceil((d - c) / chunk), 0, k)  # chunks before it reaches its last position
+    held = grow * (p + c + r) + chunk * grow * (grow - 1) / 2 + (k - grow) * (p + d + r)
+    return float(chunk * held.sum() / d.sum())
+
+
+def paged_concurrency(pool_tokens: float, prompts, decode_steps, *, page_size: int,
+                      steps_per_sync: int, refill_threshold: int, max_slots: int) -> float:
+    """Mean active sequences of a fed paged engine: pool / `paged_tokens_per_sequence`, at
+    most `max_slots`. While sequences wait, a chunk also ends once `refill_threshold` have
+    finished in it: with N active, about refill · E[D] / N steps, which feeds back into N
+    (shorter chunks free finished sequences' pages sooner); solved by damped iteration.
+    `refill_threshold` 0: chunks run whole."""
+    c = float(steps_per_sync)
+    mean_d = float(np.mean(np.maximum(np.asarray(decode_steps, np.float64), 1.0)))
+    chunk, n = c, 0.0
+    for _ in range(200):
+        n = min(float(max_slots),
+                pool_tokens / paged_tokens_per_sequence(prompts, decode_steps, page_size,
+                                                        steps_per_sync, chunk))
+        target = c if refill_threshold <= 0 else \
+            min(c, max(1.0, refill_threshold * mean_d / max(n, 1e-9)))
+        if abs(target - chunk) < 1e-6:
+            break
+        chunk = 0.5 * (chunk + target)
+    return n
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ from configs.sim import tiny
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.sim.config import build_setup
 from pipelinerl_jax.sim.lengths import LogNormal
-from pipelinerl_jax.sim.paged import ChunkedEngine, pages_for, paged_tokens_per_sequence
+from pipelinerl_jax.sim.paged import (ChunkedEngine, pages_for, paged_concurrency,
+                                      paged_tokens_per_sequence)
 
 # Three requests of prompt 4 + 9 new tokens (limit 13) in a pool of 6 pages of 4 tokens,
 # decode chunks of 4 steps. By hand (docs/sim.md "Paged KV cache"):
@@ -98,24 +99,39 @@ def test_engine_follows_the_hand_computed_case_and_a_random_workload():
     assert want.preempted.sum() > 0 and got.completed == want.completed == 24
 
 
-def test_closed_form_matches_the_model_in_steady_state():
-    """pool / paged_tokens_per_sequence predicts the mean active sequences while the queue is
-    fed, within 10%, where the unpaged 'expected' form (no chunk, no page rounding) is off by
-    more than that."""
+@pytest.mark.parametrize("max_slots,pool_pages", [(4096, 100), (4096, 400), (128, 400)])
+def test_closed_form_matches_the_model_in_steady_state(max_slots, pool_pages):
+    """`paged_concurrency` predicts the mean active sequences while the queue is fed within
+    7%: chunks run whole (4096 rows: the refill threshold of 512 never ends one early) with
+    and without preemptions, and with chunks cut short by the refill threshold (128 rows,
+    refill 16). The unpaged 'expected' form is off by more than 15%."""
     dist = LogNormal(median=40, tail=300, max_len=400)
     rng = np.random.default_rng(1)
     new, prompt, page, chunk = dist.sample(rng, 3000), 32, 16, 16
-    pool_pages = 400  # 6,400 tokens
-    trace = ChunkedEngine(np.full(new.size, prompt), new, rule="paged", max_slots=1024,
+    trace = ChunkedEngine(np.full(new.size, prompt), new, rule="paged", max_slots=max_slots,
                           max_seq_len=prompt + 400, steps_per_sync=chunk,
                           num_pages=pool_pages, page_size=page).run()
-    fed = trace.queued
+    fed = trace.queued & (np.cumsum(trace.steps) > 400)  # past the first, fresh-cache burst
     measured = np.dot(trace.active[fed], trace.steps[fed]) / trace.steps[fed].sum()
-    m1, m2 = float(new.mean()), float((new.astype(float) ** 2).mean())
-    predicted = pool_pages * page / paged_tokens_per_sequence(prompt, m1, m2, page, chunk)
-    unpaged = pool_pages * page / (prompt + m2 / (2 * m1))
-    assert abs(predicted / measured - 1) < 0.10, (predicted, measured)
-    assert unpaged / measured - 1 > 0.15, (unpaged, measured)
+    pool, steps = pool_pages * page, new - 1  # (the prefill samples the first token)
+    predicted = paged_concurrency(pool, prompt, steps, page_size=page, steps_per_sync=chunk,
+                                  refill_threshold=max(1, max_slots // 8), max_slots=max_slots)
+    assert abs(predicted / measured - 1) < 0.07, (predicted, measured)
+    m1, m2 = float(steps.mean()), float((steps.astype(float) ** 2).mean())
+    unpaged = pool / (prompt + m2 / (2 * m1))
+    assert abs(min(unpaged, max_slots) / measured - 1) > 0.15, (unpaged, measured)
+    if pool_pages == 100:
+        assert trace.preempted.sum() > 0
+
+
+def test_closed_form_limits():
+    # pages of one token, no reserve, chunk -> 1 step: the 'expected' form, prompt + E[D²]/2E[D]
+    d = np.array([10, 20, 30, 200])
+    got = paged_tokens_per_sequence(7, d, page_size=1, steps_per_sync=0, chunk=1.0)
+    want = 7 + (d ** 2).mean() / (2 * d.mean())
+    assert abs(got - want) <= 0.5 + 1e-9  # (whole steps: the mean age is (D + 1) / 2, not D / 2)
+    # one sequence of 3 whole chunks of 4, prompt 4, pages of 4: holds 8, 12, 16 positions
+    assert paged_tokens_per_sequence(4, [12], 4, 4) == 4 * (8 + 12 + 16) / 12 + 1.5
 
 
 def test_paged_budget_in_the_simulator_config():
@@ -125,14 +141,16 @@ def test_paged_budget_in_the_simulator_config():
     c.rollout.kv_budget = "paged"
     c.rollout.page_size, c.rollout.steps_per_sync = 16, 32
     paged = build_setup(c)
-    m1, m2 = paged.lengths.moments()
-    per_seq = paged_tokens_per_sequence(16, m1, m2, 16, 32)
-    assert paged.slots == int(paged.kv_capacity_tokens // per_seq) < expected.slots
-    for key in ("rollout.page_size", "rollout.steps_per_sync"):
+    steps = paged.lengths.sample(np.random.default_rng(12345), 20_000)
+    want = paged_concurrency(paged.kv_capacity_tokens, 16, steps, page_size=16,
+                             steps_per_sync=32, refill_threshold=100_000 // 8,
+                             max_slots=100_000)
+    assert paged.slots == int(want) < expected.slots
+    for key in ("rollout.page_size", "rollout.steps_per_sync", "rollout.refill_threshold"):
         c2 = tiny.get_config()
         c2.rollout.kv_budget = "paged"
         node, leaf = key.split(".")
-        c2[node][leaf] = 0
+        c2[node][leaf] = -1 if leaf == "refill_threshold" else 0
         with pytest.raises(ConfigError) as e:
             build_setup(c2)
         assert e.value.key == key
