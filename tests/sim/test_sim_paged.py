@@ -10,28 +10,28 @@ from pipelinerl_jax.sim.lengths import LogNormal
 from pipelinerl_jax.sim.paged import (ChunkedEngine, pages_for, paged_concurrency,
                                       paged_tokens_per_sequence)
 
-# Three requests of prompt 4 + 9 new tokens (limit 13) in a pool of 6 pages of 4 tokens,
-# decode chunks of 4 steps. By hand (docs/sim.md "Paged KV cache"):
-#  step 1  admit A, B, C: each needs pages_for(4 + 4) = 2 on top of the reserve so far
-#          (0, 1, 2 pages: each admitted one's first chunk) -> 2+0, 2+1, 2+2 <= 6, 5, 4 free;
-#          each holds its prompt's page (3 free); the prefill samples token 1 (pos 4).
-#          Chunk: each grows to pages_for(8) = 2 (0 free); 4 steps at 3 active (pos 8).
-#  step 2  chunk: A needs pages_for(12) = 3, none free -> preempt the youngest, C (2 pages
-#          back); A and B take one each; C is queued, so the chunk ends once min(1, refill)
-#          = 1 sequence finished: A and B both end at step 4 (pos 12 = limit - 1):
-#          4 steps at 2 active; their 6 pages free.
-#  step 3  readmit C: prompt + 5 generated = 9 positions, its chunk ends at 12: 3 pages <= 6;
-#          the re-prefill samples token 6 (pos 9); 3 steps at 1 active to its limit.
-HAND = dict(steps=[4, 4, 3], active=[3.0, 2.0, 1.0], admitted=[3, 0, 1], preempted=[0, 1, 0],
-            used_tokens=[24, 0, 0])
+# Four requests of prompt 4: A and B 9 new tokens (limit 13), C 10 (limit 14), D 3 (limit 7),
+# a pool of 6 pages of 4 tokens, decode chunks of 4 steps, refill threshold 1. By hand
+# (docs/sim.md "Paged KV cache"):
+#  step 1  admit A, B, C: each needs pages_for(4 + 4) = 2 on top of the reserve so far (the
+#          first chunks of those admitted: 0, 1, 2 pages): 2+0, 2+1, 2+2 <= 6, 5, 4 free;
+#          each holds its prompt's page. D needs pages_for(6) = 2 + 3 reserved > 3 free: the
+#          queue waits. The prefill samples token 1 (pos 4). Chunk: A, B, C grow to 2 pages
+#          (0 free); D waits, so the chunk would end at the first finish; none does in
+#          4 steps at 3 active (pos 8).
+#  step 2  D: 2 + 3 reserved > 0 free. Chunk: A needs pages_for(12) = 3, none free ->
+#          preempt the youngest running, C (2 pages back, to the queue head); A and B take
+#          one each; both end at step 4 (pos 12 = limit - 1): 4 steps at 2 active; 6 free.
+#  step 3  readmit C: prompt + 5 generated = 9 positions, chunk to 13: 4 pages <= 6 (holds
+#          3, reserves 1); D: 2 + 1 <= 3. Prefill: C samples token 6 (pos 9), D token 1
+#          (pos 4). Chunk: C grows to 4 pages, D to 2; D ends after 2 steps, C after 4:
+#          2, 2, 1, 1 active.
+HAND_REQUESTS = ([4, 4, 4, 4], [9, 9, 10, 3])
+HAND = dict(steps=[4, 4, 4], active=[3.0, 2.0, 1.5], admitted=[3, 0, 2], preempted=[0, 1, 0],
+            used_tokens=[24, 0, 0], queued=[True, True, False])
 HAND_ENGINE = dict(max_slots=4, max_seq_len=64, prefill_buckets=(16, 64), cache_buckets=(32, 64),
                    max_prefill_batch=2, steps_per_sync=4, kv_layout="paged", page_size=4,
                    kv_budget_tokens=24)
-
-
-def _hand_model():
-    return ChunkedEngine([4, 4, 4], [9, 9, 9], rule="paged", max_slots=4, max_seq_len=64,
-                         steps_per_sync=4, num_pages=6, page_size=4)
 
 
 def _check(trace, want):
@@ -40,14 +40,15 @@ def _check(trace, want):
 
 
 def test_paged_admission_by_hand():
-    trace = _hand_model().run()
+    trace = ChunkedEngine(*HAND_REQUESTS, rule="paged", max_slots=4, max_seq_len=64,
+                          steps_per_sync=4, num_pages=6, page_size=4).run()
     _check(trace, HAND)
-    assert trace.completed == 3
-    np.testing.assert_array_equal(trace.queued, [False, True, False])
+    assert trace.completed == 4
     summary = trace.summary()
-    assert summary["mean_active"] == (12 + 8 + 3) / 11 and summary["p50_active"] == 2.0
-    assert summary["mean_active_while_queued"] == summary["p50_active_while_queued"] == 2.0
-    assert summary["decode_steps"] == 11 and summary["preemptions"] == 1
+    assert summary["mean_active"] == (12 + 8 + 6) / 12 and summary["p50_active"] == 2.0
+    assert summary["mean_active_while_queued"] == 2.5
+    assert summary["p50_active_while_queued"] == 2.0
+    assert summary["decode_steps"] == 12 and summary["preemptions"] == 1
 
 
 def test_reservation_rule_by_hand():
@@ -85,7 +86,7 @@ def test_engine_follows_the_hand_computed_case_and_a_random_workload():
     """The paged JaxEngine, stepped by hand, admits, preempts and decodes exactly as the model
     predicts: the hand case above, and 24 long-tailed requests in the same 6-page pool (one
     pool shape: the second case reuses the first one's compiled programs)."""
-    _check(_engine_trace(HAND_ENGINE, [4, 4, 4], [9, 9, 9]), HAND)
+    _check(_engine_trace(HAND_ENGINE, *HAND_REQUESTS), HAND)
 
     rng = np.random.default_rng(7)
     new = LogNormal(median=8, tail=18, max_len=18).sample(rng, 24)  # 5 preemptions
