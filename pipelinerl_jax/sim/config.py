@@ -13,12 +13,14 @@ import dataclasses
 import math
 
 import ml_collections
+import numpy as np
 from ml_collections import config_dict
 
 from pipelinerl_jax.config import ConfigError, check_keys, number, one_of, positive_int
 from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS, Accelerator, ModelSpec
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime, kv_capacity_tokens
 from pipelinerl_jax.sim.lengths import Empirical, LogNormal, lengths_from_run
+from pipelinerl_jax.sim.paged import paged_concurrency
 from pipelinerl_jax.sim.pipeline import MODES, SimSetup
 from pipelinerl_jax.sim.turns import Workload
 
@@ -57,8 +59,13 @@ def default_config() -> ml_collections.ConfigDict:
         "max_new_tokens": 8192, "prompt_len": 256, "devices_per_engine": 1,
         # KV reserved per sequence: 'max_length' = prompt + max_new_tokens (static slots);
         # 'expected' = the mean cached length of a running sequence under continuous
-        # batching, prompt + E[L²]/(2E[L]) (length-biased, renewal theory).
-        "kv_budget": "expected", "prefix_sharing": True})
+        # batching, prompt + E[L²]/(2E[L]) (length-biased, renewal theory); 'paged' = the
+        # mean active sequences of JaxEngine's paged layout: pages held for the next decode
+        # chunk of steps_per_sync tokens, in whole chunks (sim/paged.py, docs/sim.md).
+        "kv_budget": "expected", "prefix_sharing": True,
+        # kv_budget='paged' only (engine.page_size / steps_per_sync / refill_threshold;
+        # refill_threshold 0 = the engine's auto, max(1, concurrency // 8))
+        "page_size": 16, "steps_per_sync": 16, "refill_threshold": 0})
     c.train = ml_collections.ConfigDict({
         "batch_size": 64, "group_size": 16,  # prompts per step × samples per prompt
         "flops_per_param_token": 6.0, "step_overhead_s": 0.0,
@@ -184,15 +191,25 @@ def slots_per_engine(cfg, acc, model, lengths, tp, work=None) -> tuple[int, floa
             f"{tp} x {acc.name} has {free_gb:.3g} GB left after {model.name}'s weights "
             f"(room for {max(cap, 0):.0f} tokens); lower it or raise "
             f"rollout.devices_per_engine / hardware.hbm_gb")
-    budget = one_of(cfg, "rollout.kv_budget", ("max_length", "expected"))
+    budget = one_of(cfg, "rollout.kv_budget", ("max_length", "expected", "paged"))
+    page_size = positive_int(cfg, "rollout.page_size")
+    steps_per_sync = positive_int(cfg, "rollout.steps_per_sync")
+    refill = positive_int(cfg, "rollout.refill_threshold", allow_zero=True)
+    conc = positive_int(cfg, "rollout.concurrency")
     if budget == "max_length":
         per_seq = longest
     else:
         m1, m2 = lengths.moments()
         # Plus, multi-turn, the earlier turns a turn holds on average.
         before = (work.mean_turns - 1) / 2 * (m1 + work.env_tokens)
+        if budget == "paged":
+            steps = lengths.sample(np.random.default_rng(12345), 20_000)
+            active = paged_concurrency(cap, prompt + before, steps, page_size=page_size,
+                                       steps_per_sync=steps_per_sync,
+                                       refill_threshold=refill or max(1, conc // 8),
+                                       max_slots=conc)
+            return max(1, int(active)), cap
         per_seq = prompt + before + m2 / (2 * m1)
-    conc = positive_int(cfg, "rollout.concurrency")
     return max(1, min(conc, int(cap // per_seq))), cap
 
 
