@@ -154,7 +154,7 @@ def run(model, config: dict, reqs):
     return out, {(c.request_id, c.sample_index): c.token_ids for c in done}
 
 
-def compare(model, reqs, args, cfg) -> dict:
+def compare(model, reqs, args) -> dict:
     """One scenario: dense and paged at the same KV bytes."""
     budget_tokens = args.dense_slots * MAX_SEQ_LEN
     common = dict(max_seq_len=MAX_SEQ_LEN, max_prefill_batch=16, steps_per_sync=16)
@@ -164,7 +164,8 @@ def compare(model, reqs, args, cfg) -> dict:
                                       "kv_budget_tokens": budget_tokens}, reqs)
     same = sum(np.array_equal(dense_tokens[k], paged_tokens[k]) for k in dense_tokens)
     lengths = [len(r.prompt_ids) + r.params.max_new_tokens for r in reqs]
-    ratio = (lambda key: paged[key] / dense[key] if dense[key] else None)
+    def ratio(key):  # (None where a figure is undefined: no chunk ran while samples waited)
+        return paged[key] / dense[key] if paged[key] is not None and dense[key] else None
     return {
         "requests": len(reqs),
         "samples_per_request": int(reqs[0].params.n),
@@ -203,7 +204,7 @@ def main():
     }
     results = {}
     for name, reqs in scenarios.items():
-        results[name] = compare(model, reqs, args, cfg)
+        results[name] = compare(model, reqs, args)
         print(name, json.dumps(results[name]), flush=True)
     main_ = results["sampler_bound"]
     result = {
