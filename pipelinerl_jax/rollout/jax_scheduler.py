@@ -15,7 +15,9 @@ One step (a background thread calls it in a loop, or a test calls it):
      every running sample (the reserve), and holds only the pages it has written. Either
      way a head-of-queue sample that does not fit blocks the queue, so long requests are
      never starved by short ones. Admitted samples are prefilled together (grouped by
-     length, padded to a prompt-length bucket);
+     length, padded to a prompt-length bucket). Paged, `n > 1`: the samples of a request
+     share their prompt's pages and one prefill of it (`prompt_share.py`; admission counts
+     the shared pages once);
   3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
      ending early, while samples are queued, once `refill_threshold` slots have finished
      (their slots are refilled by the next step's batched prefill). Paged layout: before the
