@@ -1,27 +1,44 @@
-"""Dense vs paged KV cache at the same KV bytes, under the long-tailed lengths of
-configs/sampler_bound.py.
+"""Dense vs paged KV cache at the same KV bytes: under the long-tailed lengths of
+configs/sampler_bound.py, under the talk's heavier tail, and with GRPO groups sharing their
+prompt.
 
-    PYTHONPATH=. python scripts/bench_paged.py              # 512 sequences
-    PYTHONPATH=. python scripts/bench_paged.py --quick      # 128 sequences, for a smoke run
+    PYTHONPATH=. python scripts/bench_paged.py              # 512 sequences per scenario
+    PYTHONPATH=. python scripts/bench_paged.py --quick      # 128, for a smoke run
 
-Workload: `--sequences` requests whose answer length L is drawn from the sampler-bound task's
-length distribution (`task.median_length` / `p99_length` / `max_length` of
-configs/sampler_bound.py: lognormal, median 12, p99 96, cap 126): a prompt of L + 1 random
-tokens (the letters and '='), exactly L + 1 new tokens (the answer and EOS; no stop token,
-so both layouts generate the same lengths), greedy, a tiny model. All are submitted at once.
+Scenarios (each run by a dense and a paged engine, side by side in one process):
+
+* `sampler_bound`: `--sequences` requests whose answer length L is drawn from the
+  sampler-bound task's length distribution (`task.median_length` / `p99_length` /
+  `max_length` of configs/sampler_bound.py: lognormal, median 12, p99 96, cap 126): a prompt
+  of L + 1 random tokens (the letters and '='), exactly L + 1 new tokens (the answer and EOS;
+  no stop token, so both layouts generate the same lengths), greedy.
+* `talk_tail`: the talk's shape, "99% of samples done in ~40 s, the last 1% ~80 s more".
+  With a sampler decoding every running sequence at one rate, a sample's wall time is
+  proportional to its length, so seconds map to tokens by one factor: the p99 answer length
+  stands for 40 s and the tail runs to 3x it (40 + 80 s). Answers: 99% lognormal (median 25
+  tokens, p99 76 ~ 40 s, clipped there), the last 1% uniform in (76, 228] (~40-120 s);
+  prompts 8-24 random tokens; exactly that many new tokens, greedy.
+* `groups_n8`, `groups_n16`: GRPO groups, `--sequences / n` requests of `n` samples each
+  (sampler-bound prompt and answer lengths, sampled at temperature 1 so the samples of a
+  group differ). Figure: prompt prefills per group (`stats()['prompt_prefills']` / groups;
+  the dense engine prefills every sample's prompt, n per group; the paged one shares the
+  prompt's pages: goal 1.0).
 
 Both engines get the same KV bytes: the dense engine's cache of `--dense-slots` x
 `max_seq_len` (256) tokens; the paged engine a pool of the same number of tokens
 (`kv_budget_tokens`) in pages of `--page-size`, with `--paged-slots` decode rows (slots are
-only batch rows there: what limits concurrency is the pool). Both are warmed up first
-(compiles excluded).
+only batch rows there: what limits concurrency is the pool). Tiny model, all requests
+submitted at once, both engines warmed up first (compiles excluded).
 
 Figures: active sequences per decode step (mean and decode-step-weighted p50 of the chunk
 averages `stats()` reports after every `step()`, over the whole run and over the chunks that
 ran while samples were queued, i.e. the steady state of a sampler that is kept fed, before
-the final tail drains; hardware independent), tokens/s (wall
-clock, measured side by side in one process), preemptions per 1,000 sequences, and whether
-the paged engine's tokens equal the dense engine's. Prints one JSON line at the end.
+the final tail drains; hardware independent), tokens/s (wall clock, side by side in one
+process), prompt prefills per group, preemptions per 1,000 sequences, and whether the paged
+engine's tokens equal the dense engine's. Prints one JSON line at the end: the
+sampler-bound ratios at the top level (`active_ratio_vs_dense`,
+`tokens_per_s_ratio_vs_dense`, ...), `prefills_per_group` (n = 8, paged), and every
+scenario in full.
 """
 from __future__ import annotations
 
@@ -44,19 +61,46 @@ from pipelinerl_jax.tasks.synthetic import SyntheticStringTask  # noqa: E402
 from pipelinerl_jax.types import GenerationRequest, SamplingParams  # noqa: E402
 
 MAX_SEQ_LEN = 256  # the sampler-bound config's context: 128 prompt + 127 answer tokens
+# the talk-shaped tail (module docstring): body median / p99 (~40 s) in tokens, tail to 3x
+TALK_MEDIAN, TALK_P99, TALK_TAIL = 25, 76, 3.0
 
 
-def workload(n: int, seed: int, vocab: int):
+def _sampler_bound_lengths(n: int, rng) -> list:
     t = sampler_bound.get_config().task
     task = SyntheticStringTask("reverse", t.median_length, t.p99_length, t.min_length,
                                t.max_length)
+    return [task.sample_length(rng) for _ in range(n)]
+
+
+def sampler_bound_workload(n: int, seed: int, vocab: int, group: int = 1):
+    """`n` sequences: `n / group` requests of `group` samples (sampled when group > 1)."""
     rng = np.random.default_rng(seed)
     reqs = []
-    for i in range(n):
-        length = task.sample_length(rng)
+    for i, length in enumerate(_sampler_bound_lengths(n // group, rng)):
         prompt = rng.integers(1, vocab, length + 1).astype(np.int32)
+        sampling = dict(temperature=1.0) if group > 1 else dict(temperature=0.0)
         reqs.append(GenerationRequest(f"s{i}", prompt, SamplingParams(
-            max_new_tokens=length + 1, temperature=0.0, seed=i)))
+            max_new_tokens=length + 1, n=group, seed=i, **sampling)))
+    return reqs
+
+
+def talk_lengths(n: int, rng) -> np.ndarray:
+    """Answer lengths shaped like the talk's tail: 99% lognormal with the given median and
+    p99 (clipped at the p99), the last 1% uniform in (p99, 3 x p99] (module docstring)."""
+    sigma = np.log(TALK_P99 / TALK_MEDIAN) / 2.326  # z of the 99th percentile
+    body = np.clip(np.round(TALK_MEDIAN * np.exp(sigma * rng.standard_normal(n))), 1, TALK_P99)
+    tail = rng.choice(n, max(1, round(0.01 * n)), replace=False)
+    body[tail] = rng.integers(TALK_P99 + 1, int(TALK_TAIL * TALK_P99) + 1, len(tail))
+    return body.astype(int)
+
+
+def talk_workload(n: int, seed: int, vocab: int):
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i, length in enumerate(talk_lengths(n, rng)):
+        prompt = rng.integers(1, vocab, int(rng.integers(8, 25))).astype(np.int32)
+        reqs.append(GenerationRequest(f"t{i}", prompt, SamplingParams(
+            max_new_tokens=int(length), temperature=0.0, seed=i)))
     return reqs
 
 
@@ -71,9 +115,10 @@ def run(model, config: dict, reqs):
     eng.warmup()
     eng.stats()  # opens a fresh window
     eng.submit_batch(reqs)
+    samples = sum(int(r.params.n) for r in reqs)
     chunk_active, chunk_steps, chunk_queued, done = [], [], [], []
     t0 = time.perf_counter()
-    while len(done) < len(reqs):
+    while len(done) < samples:
         eng.step()
         done += eng.get_completions()
         s = eng.stats()
@@ -92,17 +137,49 @@ def run(model, config: dict, reqs):
         "slots": config["max_slots"],
         "mean_active": float(np.dot(active, steps) / steps.sum()),
         "p50_active": weighted_median(active, steps),
-        "mean_active_while_queued": float(np.dot(active[q], steps[q]) / steps[q].sum()),
-        "p50_active_while_queued": weighted_median(active[q], steps[q]),
+        "mean_active_while_queued": (float(np.dot(active[q], steps[q]) / steps[q].sum())
+                                     if q.any() else None),
+        "p50_active_while_queued": weighted_median(active[q], steps[q]) if q.any() else None,
         "decode_steps": int(s["decode_steps"]),
         "tokens": tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": tokens / wall,
         "prefill_calls": int(s["prefill_calls"]),
+        "prefill_tokens": int(s["prefill_tokens"]),
+        "prompt_prefills": int(s["prompt_prefills"]),
+        "prefills_per_group": s["prompt_prefills"] / len(reqs),
         "preemptions": int(s["preemptions"]),
-        "preemptions_per_1000": 1000.0 * s["preemptions"] / len(reqs),
+        "preemptions_per_1000": 1000.0 * s["preemptions"] / samples,
     }
-    return out, {c.request_id: c.token_ids for c in done}
+    return out, {(c.request_id, c.sample_index): c.token_ids for c in done}
+
+
+def compare(model, reqs, args) -> dict:
+    """One scenario: dense and paged at the same KV bytes."""
+    budget_tokens = args.dense_slots * MAX_SEQ_LEN
+    common = dict(max_seq_len=MAX_SEQ_LEN, max_prefill_batch=16, steps_per_sync=16)
+    dense, dense_tokens = run(model, {**common, "max_slots": args.dense_slots}, reqs)
+    paged, paged_tokens = run(model, {**common, "max_slots": args.paged_slots,
+                                      "kv_layout": "paged", "page_size": args.page_size,
+                                      "kv_budget_tokens": budget_tokens}, reqs)
+    same = sum(np.array_equal(dense_tokens[k], paged_tokens[k]) for k in dense_tokens)
+    lengths = [len(r.prompt_ids) + r.params.max_new_tokens for r in reqs]
+    def ratio(key):  # (None where a figure is undefined: no chunk ran while samples waited)
+        return paged[key] / dense[key] if paged[key] is not None and dense[key] else None
+    return {
+        "requests": len(reqs),
+        "samples_per_request": int(reqs[0].params.n),
+        "sequence_length": {"mean": float(np.mean(lengths)), "p50": float(np.median(lengths)),
+                            "p99": float(np.percentile(lengths, 99)), "max": max(lengths)},
+        "dense": dense,
+        "paged": paged,
+        "active_ratio_vs_dense": ratio("mean_active"),
+        "p50_active_ratio_vs_dense": ratio("p50_active"),
+        "active_while_queued_ratio_vs_dense": ratio("mean_active_while_queued"),
+        "tokens_per_s_ratio_vs_dense": ratio("tokens_per_s"),
+        "decode_steps_ratio_vs_dense": ratio("decode_steps"),
+        "tokens_identical": same / len(dense_tokens),
+    }
 
 
 def main():
@@ -118,34 +195,38 @@ def main():
 
     cfg = tiny_config()
     model = Decoder(cfg, nnx.Rngs(0))
-    reqs = workload(n, args.seed, cfg.vocab_size)
-    budget_tokens = args.dense_slots * MAX_SEQ_LEN
-    kv_bytes = engine_memory.kv_cache_bytes(cfg, args.dense_slots, MAX_SEQ_LEN, "float32")
-    common = dict(max_seq_len=MAX_SEQ_LEN, max_prefill_batch=16, steps_per_sync=16)
-    dense, dense_tokens = run(model, {**common, "max_slots": args.dense_slots}, reqs)
-    paged, paged_tokens = run(model, {**common, "max_slots": args.paged_slots,
-                                      "kv_layout": "paged", "page_size": args.page_size,
-                                      "kv_budget_tokens": budget_tokens}, reqs)
-    same = sum(np.array_equal(dense_tokens[k], paged_tokens[k]) for k in dense_tokens)
-    lengths = [len(r.prompt_ids) + r.params.max_new_tokens for r in reqs]
+    v = cfg.vocab_size
+    scenarios = {
+        "sampler_bound": sampler_bound_workload(n, args.seed, v),
+        "talk_tail": talk_workload(n, args.seed, v),
+        "groups_n8": sampler_bound_workload(n, args.seed, v, group=8),
+        "groups_n16": sampler_bound_workload(n, args.seed, v, group=16),
+    }
+    results = {}
+    for name, reqs in scenarios.items():
+        results[name] = compare(model, reqs, args)
+        print(name, json.dumps(results[name]), flush=True)
+    main_ = results["sampler_bound"]
     result = {
         "bench": "paged_kv",
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, load {os.getloadavg()[0]:.1f}",
         "sequences": n,
-        "sequence_length": {"mean": float(np.mean(lengths)), "p50": float(np.median(lengths)),
-                            "p99": float(np.percentile(lengths, 99)), "max": max(lengths)},
-        "kv_bytes": kv_bytes,
-        "kv_tokens": budget_tokens,
+        "kv_bytes": engine_memory.kv_cache_bytes(cfg, args.dense_slots, MAX_SEQ_LEN,
+                                                 "float32"),
+        "kv_tokens": args.dense_slots * MAX_SEQ_LEN,
         "page_size": args.page_size,
-        "dense": dense,
-        "paged": paged,
-        "active_ratio_vs_dense": paged["mean_active"] / dense["mean_active"],
-        "p50_active_ratio_vs_dense": paged["p50_active"] / dense["p50_active"],
-        "active_while_queued_ratio_vs_dense": (paged["mean_active_while_queued"]
-                                               / dense["mean_active_while_queued"]),
-        "tokens_per_s_ratio_vs_dense": paged["tokens_per_s"] / dense["tokens_per_s"],
-        "decode_steps_ratio_vs_dense": paged["decode_steps"] / dense["decode_steps"],
-        "greedy_tokens_identical": same / n,
+        "active_ratio_vs_dense": main_["active_ratio_vs_dense"],
+        "p50_active_ratio_vs_dense": main_["p50_active_ratio_vs_dense"],
+        "active_while_queued_ratio_vs_dense": main_["active_while_queued_ratio_vs_dense"],
+        "tokens_per_s_ratio_vs_dense": main_["tokens_per_s_ratio_vs_dense"],
+        "greedy_tokens_identical": main_["tokens_identical"],
+        "preemptions_per_1000": main_["paged"]["preemptions_per_1000"],
+        "prefills_per_group": results["groups_n8"]["paged"]["prefills_per_group"],
+        "prefills_per_group_n16": results["groups_n16"]["paged"]["prefills_per_group"],
+        "talk_tail_active_ratio_vs_dense": results["talk_tail"]["active_ratio_vs_dense"],
+        "talk_tail_tokens_per_s_ratio_vs_dense":
+            results["talk_tail"]["tokens_per_s_ratio_vs_dense"],
+        "scenarios": results,
     }
     print(json.dumps(result))
 

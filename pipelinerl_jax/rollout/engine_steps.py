@@ -29,7 +29,10 @@ into the page of its position and attends over the first `ceil(cache_len / page_
 Inactive slots write at a position past every table (dropped). Decode there runs over the
 first `rows` slots only (a static row bucket): the scheduler packs running samples into the
 lowest slots (`permute` moves slot state; their K/V stays in its pages, only the page-table
-row moves), so a long tail of few samples does not pay for every slot.
+row moves), so a long tail of few samples does not pay for every slot. `start` begins
+the samples of a group on their shared prompt prefix (`rollout/prompt_share.py`): it copies
+each one's copy-on-write page and sets its slot state (pending token = the prompt's last
+token), with no prefill of its own.
 
 Shapes are static per (prefill batch bucket, prompt-length bucket) and per cache-length
 bucket, so steady-state serving compiles nothing new. The compiled programs are cached per
@@ -76,6 +79,9 @@ class StepFns(NamedTuple):
     decode: callable
     release: callable
     permute: callable  # permute(slots, perm): slot state rows reordered (paged compaction)
+    # start(cache, slots, src, dst, slot_idx, token, pos, rows): shared-prompt samples start
+    # (paged: copy-on-write page copies, then pending token / position / rows per slot)
+    start: callable
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,6 +166,23 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         """Slot `i` takes slot `perm_s[i]`'s state (a permutation)."""
         return jax.tree.map(lambda x: x[perm_s], slots)
 
+    def start(cache, slots: SlotState, src_s, dst_s, slot_idx_s, token_s, pos_s,
+              rows: RowParams):
+        """Starts samples on a shared prompt prefix (`rollout/prompt_share.py`): copies page
+        `src_s[i]` to page `dst_s[i]` in every layer's pools (an out-of-range destination
+        copies nothing), then makes slot `slot_idx_s[i]` active with pending token
+        `token_s[i]` at position `pos_s[i]` (out-of-range slots are padding)."""
+        def copy(pool):
+            return pool.at[dst_s].set(jnp.take(pool, src_s, axis=0, mode="clip"), mode="drop")
+        cache = cache._replace(k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))
+
+        def scatter(dst, src):
+            return dst.at[slot_idx_s].set(src, mode="drop")
+        slots = SlotState(token=scatter(slots.token, token_s), pos=scatter(slots.pos, pos_s),
+                          active=scatter(slots.active, jnp.ones(slot_idx_s.shape, bool)),
+                          rows=jax.tree.map(scatter, slots.rows, rows))
+        return cache, slots
+
     # Outputs keep the inputs' placement, so donated buffers are reused and the next call
     # sees the same shardings (a mismatch costs a slow path on every call).
     out = (cache_sharding, replicated, replicated)
@@ -168,4 +191,5 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         decode=jax.jit(decode, donate_argnums=(1, 2), static_argnames=("cache_len", "rows"),
                        out_shardings=out),
         release=jax.jit(release, donate_argnums=(0,), out_shardings=replicated),
-        permute=jax.jit(permute, donate_argnums=(0,), out_shardings=replicated))
+        permute=jax.jit(permute, donate_argnums=(0,), out_shardings=replicated),
+        start=jax.jit(start, donate_argnums=(0, 1), out_shardings=(cache_sharding, replicated)))

@@ -15,7 +15,9 @@ One step (a background thread calls it in a loop, or a test calls it):
      every running sample (the reserve), and holds only the pages it has written. Either
      way a head-of-queue sample that does not fit blocks the queue, so long requests are
      never starved by short ones. Admitted samples are prefilled together (grouped by
-     length, padded to a prompt-length bucket);
+     length, padded to a prompt-length bucket). Paged, `n > 1`: the samples of a request
+     share their prompt's pages and one prefill of it (`prompt_share.py`; admission counts
+     the shared pages once);
   3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
      ending early, while samples are queued, once `refill_threshold` slots have finished
      (their slots are refilled by the next step's batched prefill). Paged layout: before the
@@ -51,6 +53,7 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
                                            has_ready, take_ready)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
 from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
+from pipelinerl_jax.rollout.prompt_share import PromptShare, shares
 from pipelinerl_jax.rollout.sampling import RowParams
 from pipelinerl_jax.types import Completion, GenerationRequest
 
@@ -130,6 +133,8 @@ class SlotScheduler:
         self._seed_counter = 0
         self._stats = StatsWindow()
         self._pages = pages
+        # paged: the n samples of a request share their prompt's pages (one prefill per group)
+        self._share = PromptShare(pages) if pages is not None else None
         self._submitted = 0
         # paged: decode runs over the first `rows` slots, running samples packed there
         self.row_buckets = (buckets((), 8, num_slots) if pages is not None else (num_slots,))
@@ -282,7 +287,10 @@ class SlotScheduler:
             running = [s for s in self._slots if s is not None]
             for s in running:
                 s.kv_version = version
+            # (a page shared by a group is written by one of its re-prefill rows: `_prefill`)
             self._prefill([(s, self._slots.index(s), s.sequence()) for s in running])
+            if self._share is not None:
+                self._share.restamp(version)
         with self._cv:
             self._cv.notify_all()
 
@@ -344,17 +352,25 @@ class SlotScheduler:
     def _admit(self) -> int:
         produced = 0
         while True:
-            batch = []
+            batch, starts = [], []  # prefill rows; samples starting on a shared prefix
             with self._cv:
                 free = [i for i, s in enumerate(self._slots) if s is None]
                 growth = self._running_growth()
                 while self._queue and free:
                     s = self._queue[0]
+                    shared = self._share is not None and shares(s)
                     if self._pages is None:  # dense: reserve the whole lifetime up front
                         if self._reserved + s.limit > self.kv_budget:
                             break
                         self._reserved += s.limit
                         slot = free.pop(0)
+                    elif shared:  # paged, a group's sample: private pages (+ a new prefix)
+                        end = self._chunk_end(s, s.pos)  # (pending: the prompt's last token)
+                        if self._share.need(s, end) + growth > self._pages.free_pages:
+                            break
+                        slot = free.pop(0)
+                        prefix, created, copy = self._share.admit(s, slot, self._version)
+                        growth += self._pages.missing(slot, end)
                     else:  # paged: the prompt (and tokens so far) + first chunk + reserve
                         length = len(s.prompt) + s.n_generated
                         need = pages_for(self._chunk_end(s, length), self._pages.page_size)
@@ -367,12 +383,43 @@ class SlotScheduler:
                     self._slots[slot] = s
                     if s.start_version < 0:  # (a preempted sample keeps its first start)
                         s.start_time, s.start_version = time.time(), self._version
+                    if shared:  # its oldest K/V is the prefix's, whenever that was written
+                        s.kv_version = prefix.version
+                        starts.append((s, slot, copy))
+                        if created and s.pos:  # the group's one prompt prefill (no token)
+                            batch.append((None, slot, s.prompt[:-1]))
+                        self._stats.add(prompt_prefills=int(created and s.pos > 0),
+                                        shared_admissions=int(not created))
+                        continue
                     s.kv_version = self._version  # every K/V it attends to is written now
                     # a preempted sample re-prefills what it generated (its pending token too)
                     batch.append((s, slot, s.sequence() if s.n_generated else s.prompt))
-            if not batch:
+                    self._stats.add(prompt_prefills=int(s.n_generated == 0))
+            if not batch and not starts:
                 return produced
             produced += self._prefill(batch)
+            self._start_shared(starts)
+
+    def _start_shared(self, starts) -> None:
+        """Starts `(sample, slot, page copy or None)` entries on their group's prefix (its
+        prefill, if new, ran first): copy-on-write copies of the partial prompt page, and
+        each slot's pending token, the prompt's last, at position `len(prompt) - 1`."""
+        if not starts:
+            return
+        n, none = self.num_slots, self._pages.num_pages
+        src, dst = np.zeros((n,), np.int32), np.full((n,), none, np.int32)
+        slot_idx = np.full((n,), n, np.int32)
+        token, pos = np.zeros((n,), np.int32), np.zeros((n,), np.int32)
+        rows = self._row_params(n)
+        for j, (s, slot, copy) in enumerate(starts):
+            if copy is not None:
+                src[j], dst[j] = copy
+            slot_idx[j], token[j], pos[j] = slot, s.prompt[-1], s.pos
+            _fill_row(rows, j, s)
+        self._cache, self._slots_dev = self._fns.start(
+            self._cache, self._slots_dev, src, dst, slot_idx, token, pos, RowParams(**rows))
+        with self._cv:
+            self._stats.add(cow_page_copies=sum(c is not None for _, _, c in starts))
 
     # ------------------------------------------------------------------ pages
 
@@ -422,7 +469,9 @@ class SlotScheduler:
         """Frees `slot`'s pages and slot and puts its sample back at the head of the queue;
         its readmission re-prefills its prompt and the tokens it generated so far."""
         s = self._slots[slot]
-        self._pages.release(slot)
+        self._pages.release(slot)  # (pages its group shares stay with the other holders)
+        if self._share is not None:
+            self._share.release(s)
         free = np.zeros((self.num_slots,), bool)
         free[slot] = True
         self._slots_dev = self._fns.release(self._slots_dev, free)
@@ -432,9 +481,14 @@ class SlotScheduler:
             self._stats.totals["preemptions"] += 1
 
     def _prefill(self, entries) -> int:
-        """Prefills `(sample, slot, token sequence)` entries and records each first token."""
+        """Prefills `(sample, slot, token sequence)` entries and records each first token;
+        returns the tokens sampled. Paged: a `None` sample is a group's prompt prefix, written
+        through `slot`'s table with no token sampled; a page several rows hold is written by
+        the first of them only (a 'recompute' re-prefill of a group)."""
         entries = sorted(entries, key=lambda e: len(e[2]))  # similar lengths share a bucket
         cap = self.batch_buckets[-1]
+        written = set()  # pages some row of this call writes already
+        produced = 0
         for start in range(0, len(entries), cap):
             group = entries[start:start + cap]
             bp = next(b for b in self.batch_buckets if b >= len(group))
@@ -445,24 +499,32 @@ class SlotScheduler:
             rows = self._row_params(bp)
             for j, (s, slot, seq) in enumerate(group):
                 ids[j, :len(seq)] = seq
-                lengths[j], slot_idx[j] = len(seq), slot
-                _fill_row(rows, j, s)
+                lengths[j] = len(seq)
+                if s is not None:
+                    slot_idx[j] = slot
+                    _fill_row(rows, j, s)
             args = (self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
                     RowParams(**rows))
             if self._pages is not None:
                 tables = np.full((bp, self._pages.max_pages), self._pages.num_pages, np.int32)
                 for j, (_, slot, _) in enumerate(group):
                     tables[j] = self._pages.tables[slot]
+                    tables[j][np.isin(tables[j], list(written))] = self._pages.num_pages
+                    written.update(self._pages.pages(slot))
                 args += (tables,)
             self._cache, self._slots_dev, out = self._fns.prefill(*args)
             token, logp, done = jax.device_get(out)
             for j, (s, slot, _) in enumerate(group):
+                if s is None:
+                    continue
                 self._record(s, token[j:j + 1], logp[j:j + 1])
+                produced += 1
                 if done[j]:
                     self._finish(s, _reason(s))
             with self._cv:
-                self._stats.totals["prefill_calls"] += 1
-        return len(entries)
+                self._stats.add(prefill_calls=1, prefill_tokens=int(sum(
+                    len(e[2]) for e in group)))
+        return produced
 
     def _row_params(self, b: int) -> dict:
         return dict(seed=np.zeros((b,), np.uint32), sample_index=np.zeros((b,), np.int32),
@@ -534,6 +596,7 @@ class SlotScheduler:
                     self._reserved -= s.limit
                 else:
                     self._pages.release(slot)
+                    self._share.release(s)
             rid = s.request.request_id
             self._live[rid] -= 1
             if not self._live[rid]:
@@ -585,11 +648,15 @@ class SlotScheduler:
                 "generated_tokens": c["tokens"],
                 "completed_samples": c["completed_samples"],
                 "prefill_calls": c["prefill_calls"],
+                "prefill_tokens": c["prefill_tokens"],
+                # prompts prefilled for their first token: one per sample, or one per group
+                # where a group's samples share their prompt (paged)
+                "prompt_prefills": c["prompt_prefills"],
                 "updates_applied": c["updates_applied"],
                 "preemptions": c["preemptions"],
                 "compiled_programs": sum(f._cache_size() for f in (
                     self._fns.prefill, self._fns.decode, self._fns.release,
-                    self._fns.permute)),
+                    self._fns.permute, self._fns.start)),
             }
 
     def _kv_figures(self) -> dict:  # holds _cv
@@ -602,6 +669,9 @@ class SlotScheduler:
                 "kv_budget_tokens": self._pages.num_pages * c, "page_size": c,
                 "kv_pages_total": self._pages.num_pages,
                 "kv_pages_free": self._pages.free_pages,
+                "kv_pages_shared": self._pages.shared_pages,
+                "shared_admissions": self._stats.totals["shared_admissions"],
+                "cow_page_copies": self._stats.totals["cow_page_copies"],
                 "slot_moves": self._stats.totals["slot_moves"]}
 
     def warmup(self) -> int:
@@ -637,6 +707,13 @@ class SlotScheduler:
             if self._pages is not None:  # (packing running samples into the low slots)
                 self._slots_dev = self._fns.permute(
                     self._slots_dev, np.arange(self.num_slots, dtype=np.int32))
+                n += 1
+                s = self.num_slots  # (starting samples on a shared prompt: nothing to do)
+                self._cache, self._slots_dev = self._fns.start(
+                    self._cache, self._slots_dev, np.zeros((s,), np.int32),
+                    np.full((s,), self._pages.num_pages, np.int32), np.full((s,), s, np.int32),
+                    np.zeros((s,), np.int32), np.zeros((s,), np.int32),
+                    RowParams(**self._row_params(s)))
                 n += 1
         return n
 

@@ -1,5 +1,10 @@
 """Host-side bookkeeping of the paged KV cache: which pool pages are free, which each sequence
-holds, and the page-table rows the device programs read (`models/paged_attention.py`).
+holds, how many sequences hold each page, and the page-table rows the device programs read
+(`models/paged_attention.py`).
+
+Pages are reference counted: the `n` samples of one request hold their prompt's full pages
+together (`share`), and a page goes back to the free list when its last holder releases it
+(`release`), so freeing one sample never frees a page a sibling still reads.
 
 Pure Python/NumPy, no device work, so the scheduler's admission and preemption decisions
 are cheap and deterministic (the free list is a stack: a freed page is the next one handed
@@ -7,7 +12,7 @@ out, whatever the thread timing).
 """
 from __future__ import annotations
 
-from typing import Dict, Hashable, List
+from typing import Dict, Hashable, List, Sequence
 
 import numpy as np
 
@@ -20,7 +25,8 @@ def pages_for(tokens: int, page_size: int) -> int:
 class PageAllocator:
     """`num_pages` pages of `page_size` tokens; an owner (a batch row) holds a list of pages,
     its table row lists them in order and pads with `num_pages` (out of range: the device
-    drops writes there and masks reads). A sequence never holds more than `max_pages`."""
+    drops writes there and masks reads). A sequence never holds more than `max_pages`.
+    `refs[p]` is how many rows hold page `p` (0: free)."""
 
     def __init__(self, num_pages: int, page_size: int, num_rows: int, max_pages: int):
         if num_pages < 1 or page_size < 1:
@@ -29,6 +35,7 @@ class PageAllocator:
         self.num_pages, self.page_size, self.max_pages = num_pages, page_size, max_pages
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._held: Dict[Hashable, List[int]] = {}
+        self.refs = np.zeros((num_pages,), np.int32)
         self.tables = np.full((num_rows, max_pages), num_pages, np.int32)
 
     @property
@@ -39,6 +46,11 @@ class PageAllocator:
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
+    @property
+    def shared_pages(self) -> int:
+        """Pages more than one row holds."""
+        return int((self.refs > 1).sum())
+
     def held(self, row: int) -> int:
         return len(self._held.get(row, ()))
 
@@ -47,17 +59,35 @@ class PageAllocator:
         return max(0, min(pages_for(tokens, self.page_size), self.max_pages) - self.held(row))
 
     def grow(self, row: int, tokens: int) -> bool:
-        """Makes `row` hold pages for its first `tokens` positions; False (and nothing
-        allocated) when too few pages are free."""
+        """Makes `row` hold pages for its first `tokens` positions (fresh pages, held by
+        `row` alone); False (and nothing allocated) when too few pages are free."""
         need = self.missing(row, tokens)
         if need > len(self._free):
             return False
         pages = self._held.setdefault(row, [])
         for _ in range(need):
             page = self._free.pop()
+            self.refs[page] = 1
             self.tables[row, len(pages)] = page
             pages.append(page)
         return True
+
+    def share(self, row: int, pages: Sequence[int]) -> None:
+        """Makes `row`, which holds nothing, hold `pages` (held by other rows already) as its
+        first table entries; each page's count goes up by one."""
+        if self.held(row):
+            raise ValueError(f"row {row} already holds {self.held(row)} pages")
+        pages = [int(p) for p in pages]
+        if any(self.refs[p] < 1 for p in pages):
+            raise ValueError(f"share: pages {pages} include a free page")
+        if pages:
+            self._held[row] = list(pages)
+            self.tables[row, :len(pages)] = pages
+            self.refs[pages] += 1
+
+    def pages(self, row: int) -> List[int]:
+        """The pages `row` holds, in table order."""
+        return list(self._held.get(row, ()))
 
     def swap(self, a: int, b: int) -> None:
         """Exchanges what rows `a` and `b` hold (a sample moved to another batch row)."""
@@ -69,8 +99,14 @@ class PageAllocator:
         self.tables[[a, b]] = self.tables[[b, a]]
 
     def release(self, row: int) -> int:
-        """Frees every page `row` holds; returns how many."""
+        """Drops `row`'s hold on every page it holds; pages no other row holds go back to
+        the free list. Returns how many were freed."""
         pages = self._held.pop(row, [])
-        self._free.extend(reversed(pages))
         self.tables[row] = self.num_pages
-        return len(pages)
+        freed = []
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                freed.append(page)
+        self._free.extend(reversed(freed))
+        return len(freed)
