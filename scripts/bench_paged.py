@@ -113,7 +113,14 @@ def main():
     ap.add_argument("--paged-slots", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="16 sequences, 2 dense slots / 8 paged rows, one prefill batch size "
+                         "pair and one bucket each (seconds; device_check --cpu)")
     args = ap.parse_args()
+    if args.smoke:
+        args.sequences, args.dense_slots, args.paged_slots = 16, 2, 8
+    smoke = dict(max_prefill_batch=2, prefill_buckets=(MAX_SEQ_LEN,),
+                 cache_buckets=(MAX_SEQ_LEN,)) if args.smoke else {}
     n = 128 if args.quick else args.sequences
 
     cfg = tiny_config()
@@ -121,7 +128,7 @@ def main():
     reqs = workload(n, args.seed, cfg.vocab_size)
     budget_tokens = args.dense_slots * MAX_SEQ_LEN
     kv_bytes = engine_memory.kv_cache_bytes(cfg, args.dense_slots, MAX_SEQ_LEN, "float32")
-    common = dict(max_seq_len=MAX_SEQ_LEN, max_prefill_batch=16, steps_per_sync=16)
+    common = {**dict(max_seq_len=MAX_SEQ_LEN, max_prefill_batch=16, steps_per_sync=16), **smoke}
     dense, dense_tokens = run(model, {**common, "max_slots": args.dense_slots}, reqs)
     paged, paged_tokens = run(model, {**common, "max_slots": args.paged_slots,
                                       "kv_layout": "paged", "page_size": args.page_size,
