@@ -18,7 +18,7 @@ it holds no device memory):
           shapes), the train step (compile apart) and publication over the weight stream.
   engine  scripts/bench_real_size.py --only engine --kv-layout both: JaxEngine decode tokens/s
           at batch 1/8/32 against the bandwidth and compute rooflines measured in the same
-          process, for the dense and the paged KV cache (paged attention through
+          process, for the dense and (not on CPU) the paged KV cache (paged attention through
           `engine.attention_kernel=auto`: the Pallas kernel on a GPU/TPU), and paged's share
           of the roofline over dense's (`paged_vs_dense_of_roofline`).
   paged   scripts/bench_paged.py: dense vs paged KV cache at the same KV bytes under the
@@ -270,7 +270,9 @@ def part_env(r: Runner, install: bool) -> dict:
 def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
     cmd = [sys.executable, "scripts/bench_real_size.py", "--only",
            "learner" if part == "model" else "engine", f"--workdir={workdir}",
-           f"--param-dtype={param_dtype}"] + (["--kv-layout=both"] if part == "engine" else [])
+           f"--param-dtype={param_dtype}"]
+    if part == "engine" and r.mode != "cpu":  # on CPU the paged part covers the paged engine
+        cmd.append("--kv-layout=both")
     if r.mode == "cpu":
         cmd.append("--smoke")
     res = r.run(part, cmd, LIMITS[r.mode][part])
