@@ -114,12 +114,13 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true",
-                    help="8 sequences, 2 dense slots / 8 paged rows, one prefill and one "
-                         "decode program per engine (device_check --cpu)")
+                    help="16 sequences (more than the paged rows: some chunks run while "
+                         "samples wait), 2 dense slots / 8 paged rows, prefill batches 1-2, "
+                         "one bucket each (device_check --cpu)")
     args = ap.parse_args()
     if args.smoke:
-        args.sequences, args.dense_slots, args.paged_slots = 8, 2, 8
-    smoke = dict(max_prefill_batch=1, prefill_buckets=(MAX_SEQ_LEN,),
+        args.sequences, args.dense_slots, args.paged_slots = 16, 2, 8
+    smoke = dict(max_prefill_batch=2, prefill_buckets=(MAX_SEQ_LEN,),
                  cache_buckets=(MAX_SEQ_LEN,)) if args.smoke else {}
     n = 128 if args.quick else args.sequences
 

@@ -76,7 +76,7 @@ def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
     assert all(engine[f"batch_{b}"]["tokens_per_s"] > 0 for b in (1, 8))
     assert "paged" not in engine  # on CPU the paged engine is the paged part's
     paged = result["paged"]  # bench_paged --smoke: counts, and paged's tokens equal dense's
-    assert paged["greedy_tokens_identical"] == 1.0 and paged["sequences"] == 8
+    assert paged["greedy_tokens_identical"] == 1.0 and paged["sequences"] == 16
     assert paged["dense_mean_active"] > 0 and paged["paged_mean_active"] > 0
     train = result["train"]
     assert train["steps"] == train["steps_wanted"] == device_check.TRAIN_STEPS["cpu"]
