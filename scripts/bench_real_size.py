@@ -3,6 +3,7 @@
     python scripts/bench_real_size.py [--smoke] [--param-dtype bfloat16] [--dtype bfloat16]
                                       [--only learner|engine] [--workdir DIR] [--mesh 1,1,1]
                                       [--seqs N] [--micro-batches M] [--steps K]
+                                      [--kv-layout dense|paged|both] [--attention-kernel K]
 
 Writes a random HF checkpoint with Qwen2.5-0.5B's config dimensions (nothing downloaded; a
 rerun with the same --workdir reuses it), loads it as the learner does and times the real
@@ -17,7 +18,9 @@ memory copies, an artifact of emulating a mesh on one CPU). On GPU/TPU: every de
 MFU against the summed peak of the devices. Then the JaxEngine (one device) decodes at batch
 1/8/32 and its tokens/s is compared with the rooflines measured in the same run: memory
 bandwidth (a large on-device copy; each decode step reads the weights and the live KV) and
-compute (the matmul peak, 2·params FLOPs a token). `--param-dtype bfloat16`: bf16 master
+compute (the matmul peak, 2·params FLOPs a token); `--kv-layout both` times the paged KV
+cache too (same KV tokens, pages of 16) and reports its share of the roofline over dense's.
+`--param-dtype bfloat16`: bf16 master
 weights (float32 optimizer state; see learner/train_step.py). `--smoke`: the tiny model, a
 few seconds. Prints one JSON line.
 """
@@ -179,11 +182,17 @@ def _optimizer_time(optimizer, state, hp, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict) -> dict:
+def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict, layout: str = "dense") -> dict:
+    """Decode tokens/s at each batch against the rooflines. `layout='paged'`: the paged KV
+    cache (pages of 16, a pool of the dense cache's tokens, `engine.attention_kernel` =
+    `--attention-kernel`); the roofline is the same (it reads the same weights and live KV)."""
     max_seq = a.prompt + a.decode_tokens
-    engine = JaxEngine(ckpt, {"max_slots": max(a.batches), "max_seq_len": max_seq,
-                              "dtype": a.dtype, "max_prefill_batch": max(a.batches),
-                              "prefill_buckets": (a.prompt,)})
+    config = {"max_slots": max(a.batches), "max_seq_len": max_seq, "dtype": a.dtype,
+              "max_prefill_batch": max(a.batches), "prefill_buckets": (a.prompt,)}
+    if layout == "paged":
+        config.update(kv_layout="paged", page_size=min(16, max_seq),
+                      attention_kernel=a.attention_kernel)
+    engine = JaxEngine(ckpt, config)
     wbytes = engine_memory.weight_bytes(cfg, engine.dtype)
     kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, engine.dtype)
     out = {}
@@ -207,8 +216,17 @@ def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict) -> dict:
         out[f"batch_{b}"] = {"tokens_per_s": round(tok_s, 1), "roofline_tokens_per_s":
                              round(roof, 1), "of_roofline": round(tok_s / roof, 4),
                              "bound": "memory" if bw_roof < compute_roof else "compute"}
+    if layout == "paged":
+        out["attention_impl"] = engine.attention_impl
     engine.close()
     return out
+
+
+def paged_vs_dense(dense: dict, paged: dict) -> dict:
+    """Per batch: the paged engine's share of the roofline over the dense engine's, measured
+    in the same process (the goal of issue 25: >= 1 at batch 32)."""
+    return {k: round(paged[k]["of_roofline"] / dense[k]["of_roofline"], 3)
+            for k in dense if k.startswith("batch_")}
 
 
 def _sizes(a, cpu: bool) -> None:
@@ -249,6 +267,12 @@ def main():
               "matmul_n"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     p.add_argument("--batches", default=None, help="engine decode batches, e.g. 1,8,32")
+    p.add_argument("--kv-layout", default="dense", choices=("dense", "paged", "both"),
+                   help="the engine's KV cache: 'both' times dense then paged in one process "
+                        "(JSON keys engine, engine_paged, paged_vs_dense_of_roofline)")
+    p.add_argument("--attention-kernel", default="auto",
+                   choices=("auto", "reference", "pallas"),
+                   help="engine.attention_kernel of the paged engine")
     p.add_argument("--mesh", default=None,
                    help="learner mesh data,fsdp,tensor over the first devices, e.g. 1,1,1 "
                         "(default: 1,4,2 on CPU, every device on fsdp elsewhere)")
@@ -273,8 +297,16 @@ def main():
            "peaks": dict({k: round(v, 2) for k, v in peaks.items()}, matmul_dtype=a.dtype)}
     if a.only in (None, "learner"):
         out["learner"] = bench_learner(ckpt, cfg, a, peaks["matmul_gflops"])
-    if a.only in (None, "engine"):
+    if a.only in (None, "engine") and a.kv_layout in ("dense", "both"):
         out["engine"] = bench_engine(ckpt, cfg, a, peaks)
+    if a.only in (None, "engine") and a.kv_layout in ("paged", "both"):
+        try:  # a kernel that fails on this accelerator must not cost the other figures
+            out["engine_paged"] = bench_engine(ckpt, cfg, a, peaks, "paged")
+        except Exception as e:  # noqa: BLE001 - reported in the JSON line
+            out["engine_paged"] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
+        if "engine" in out and "error" not in out["engine_paged"]:
+            out["paged_vs_dense_of_roofline"] = paged_vs_dense(out["engine"],
+                                                               out["engine_paged"])
     print(json.dumps(out), flush=True)
 
 

@@ -16,8 +16,14 @@ it holds no device memory):
   lora    scripts/bench_lora.py: full fine-tuning vs LoRA (rank 16, every projection) on the
           Qwen2.5-0.5B shape: bytes per published version and learner state (exact, from
           shapes), the train step (compile apart) and publication over the weight stream.
-  engine  scripts/bench_real_size.py --only engine: JaxEngine decode tokens/s at batch 1/8/32
-          against the bandwidth and compute rooflines measured in the same process.
+  engine  scripts/bench_real_size.py --only engine --kv-layout both: JaxEngine decode tokens/s
+          at batch 1/8/32 against the bandwidth and compute rooflines measured in the same
+          process, for the dense and (not on CPU) the paged KV cache (paged attention through
+          `engine.attention_kernel=auto`: the Pallas kernel on a GPU/TPU), and paged's share
+          of the roofline over dense's (`paged_vs_dense_of_roofline`).
+  paged   scripts/bench_paged.py: dense vs paged KV cache at the same KV bytes under the
+          sampler-bound length tail (active sequences per step, tokens/s, preemptions,
+          greedy tokens equal); on GPU its --quick size (128 sequences), on CPU --smoke.
   train   experiments/train.py --config=configs/default.py for 20 RL steps (a 30-step warm
           start), learner and sampler sharing GPU 0 through `resources.learner_devices=0`,
           `resources.sampler_devices=0`, `resources.gpu_memory_fraction` (preallocation off).
@@ -52,11 +58,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEELS = os.path.join(ROOT, ".whl")
-PARTS = ("env", "model", "lora", "engine", "train")
-# Seconds per part; the GPU total stays under 10 minutes with room for process start-up.
-LIMITS = {"gpu": {"env": 60, "model": 150, "lora": 110, "engine": 100, "train": 170},
-          "cpu": {"env": 60, "model": 180, "lora": 240, "engine": 120, "train": 300}}
-TOTAL_S = {"gpu": 575, "cpu": 1140}
+PARTS = ("env", "model", "lora", "engine", "paged", "train")
+# Seconds per part; the GPU total stays under 10 minutes with room for process start-up (the
+# GPU limits sum to TOTAL_S: the paged part's 75 s came from env -20, model -25, lora -20,
+# train -30, and engine +5 for its paged half).
+LIMITS = {"gpu": {"env": 40, "model": 125, "lora": 90, "engine": 105, "paged": 75,
+                  "train": 140},
+          "cpu": {"env": 60, "model": 180, "lora": 240, "engine": 120, "paged": 180,
+                  "train": 300}}
+TOTAL_S = {"gpu": 575, "cpu": 1320}
 GRACE_S = 20  # of a part's limit, between SIGTERM and SIGKILL
 # Distributions whose wheels `--download-wheels` fetches: the accelerator image (KINDS.md)
 # lacks the first three; the others it has, perhaps in a version outside setup.py's range.
@@ -261,6 +271,8 @@ def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
     cmd = [sys.executable, "scripts/bench_real_size.py", "--only",
            "learner" if part == "model" else "engine", f"--workdir={workdir}",
            f"--param-dtype={param_dtype}"]
+    if part == "engine" and r.mode != "cpu":  # on CPU the paged part covers the paged engine
+        cmd.append("--kv-layout=both")
     if r.mode == "cpu":
         cmd.append("--smoke")
     res = r.run(part, cmd, LIMITS[r.mode][part])
@@ -272,6 +284,29 @@ def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
         if k in data:
             out[k] = data[k]
     out.update(data.get("learner" if part == "model" else "engine", {}))
+    if part == "engine":
+        for k in ("engine_paged", "paged_vs_dense_of_roofline"):
+            if k in data:
+                out[k.replace("engine_", "")] = data[k]
+    return out
+
+
+def part_paged(r: Runner) -> dict:
+    cmd = [sys.executable, "scripts/bench_paged.py", "--smoke" if r.mode == "cpu" else "--quick"]
+    res = r.run("paged", cmd, LIMITS[r.mode]["paged"])
+    data = _last_json(res["stdout"]) or {}
+    out = {"status": res["status"], "time_s": res.get("time_s")}
+    if "error" in res:
+        out["error"] = res["error"]
+    for k in ("sequences", "kv_tokens", "active_ratio_vs_dense", "p50_active_ratio_vs_dense",
+              "tokens_per_s_ratio_vs_dense", "greedy_tokens_identical", "prefills_per_group"):
+        if k in data:
+            out[k] = data[k]
+    main = data.get("scenarios", {}).get("sampler_bound", {})
+    for layout in ("dense", "paged"):
+        for k in ("mean_active", "tokens_per_s", "preemptions_per_1000"):
+            if k in main.get(layout, {}):
+                out[f"{layout}_{k}"] = main[layout][k]
     return out
 
 
@@ -396,6 +431,7 @@ def main(argv=None) -> int:
              "model": lambda: part_bench(r, "model", bench_dir, a.param_dtype),
              "lora": lambda: part_lora(r),
              "engine": lambda: part_bench(r, "engine", bench_dir, a.param_dtype),
+             "paged": lambda: part_paged(r),
              "train": lambda: part_train(r, workdir, a.steps or TRAIN_STEPS[mode])}
     bench_dir = os.path.join(workdir, "bench")
     for part in PARTS:

@@ -63,8 +63,9 @@ def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
     assert proc.returncode == 0, json.dumps(result)[-3000:]
     assert json.loads((out / "device_check.json").read_text()) == result
     assert result["mode"] == "cpu" and result["ok"] is True
-    assert {"env", "model", "lora", "engine", "train"} <= set(result)
-    assert all(result[k]["status"] == "ok" for k in ("env", "model", "lora", "engine", "train"))
+    assert set(device_check.PARTS) == {"env", "model", "lora", "engine", "paged", "train"}
+    assert set(device_check.PARTS) <= set(result)
+    assert all(result[k]["status"] == "ok" for k in device_check.PARTS)
     assert result["env"]["backend"] == "cpu" and result["env"]["requirements_unmet"] == {}
     model = result["model"]
     assert model["step_s"] > 0 and 0 < model["mfu"] < 2 and model["peaks"]["matmul_gflops"] > 0
@@ -73,8 +74,13 @@ def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
     assert lora["full_step_s"] > 0 and lora["lora_step_s"] > 0 and lora["lora_compile_s"] > 0
     engine = result["engine"]
     assert all(engine[f"batch_{b}"]["tokens_per_s"] > 0 for b in (1, 8))
+    assert "paged" not in engine  # on CPU the paged engine is the paged part's
+    paged = result["paged"]  # bench_paged --smoke: counts, and paged's tokens equal dense's
+    assert paged["greedy_tokens_identical"] == 1.0 and paged["sequences"] == 16
+    assert paged["dense_mean_active"] > 0 and paged["paged_mean_active"] > 0
+    assert paged["prefills_per_group"] == 1.0  # the n = 8 groups: one prompt prefill each
     train = result["train"]
     assert train["steps"] == train["steps_wanted"] == device_check.TRAIN_STEPS["cpu"]
     assert train["step_time_s"] > 0 and train["tokens_per_s"] > 0
-    for part in ("env", "model", "lora", "engine", "train"):
+    for part in device_check.PARTS:
         assert (out / f"{part}.log").exists()

@@ -18,10 +18,11 @@ is position j, visible to a query at position q when j <= q. Pages beyond a sequ
 length hold junk (another sequence's data, or this one's padding) and are exactly the
 positions the mask hides.
 
-`paged_attention` is the one function a kernel replaces (on TPU: Pallas ragged paged
-attention; see docs/engine.md "Paged KV cache"): the reference below gathers the sequence's
-first `n_pages` pages into a dense `[B, n_pages*C, K, X]` view and attends over it, so its
-cost is one copy of the keys and values it reads per call. `write_pages` is the matching
+`paged_attention` is the one function that reads pages; its `kernel` argument (a resolved
+`engine.attention_kernel`, `models/paged_kernels.py`) picks a Pallas kernel (TPU ragged
+paged attention, GPU Triton paged attention) or the reference below, which gathers the
+sequence's first `n_pages` pages into a dense `[B, n_pages*C, K, X]` view and attends over
+it, so its cost is one copy of the keys and values it reads per call. `write_pages` is the matching
 scatter. `Decoder.hidden_states` takes a `PagedKVCache` where it takes a dense `KVCache`.
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+
+from pipelinerl_jax.models import paged_kernels
 
 
 class PagedKVCache(NamedTuple):
@@ -84,16 +87,23 @@ def gather_pages(pool, page_table_bn, n_pages: int):
 
 
 def paged_attention(q_bthx, pool_k, pool_v, page_table_bn, positions_bt,
-                    n_pages: Optional[int] = None):
+                    n_pages: Optional[int] = None, kernel: str = "reference"):
     """Attention of queries `[B, T, H, X]` at `positions_bt` over each row's KV pages, causal
     by position; returns `[B, T, H, X]` in the query dtype.
 
     Reads the first `n_pages` (static; default: the whole table) pages of each row, which
     must cover every query position. GQA: query head h reads kv head h // (H/K). Numerics
-    follow the dense cached forward (float32 scores and softmax)."""
+    follow the dense cached forward (float32 scores and softmax). `kernel` (static): one of
+    `paged_kernels.IMPLS`; a kernel that does not serve the call (the GPU one for T > 1)
+    leaves it to the reference."""
+    n_pages = page_table_bn.shape[1] if n_pages is None else n_pages
+    if kernel != "reference":
+        out = paged_kernels.kernel_attention(kernel, q_bthx, pool_k, pool_v, page_table_bn,
+                                             positions_bt, n_pages)
+        if out is not None:
+            return out
     b, t, h, x = q_bthx.shape
     k_heads = pool_k.shape[2]
-    n_pages = page_table_bn.shape[1] if n_pages is None else n_pages
     dt = q_bthx.dtype
     keys = gather_pages(pool_k, page_table_bn, n_pages).astype(dt)  # [B, S, K, X]
     values = gather_pages(pool_v, page_table_bn, n_pages).astype(dt)

@@ -57,16 +57,17 @@ def _attention(attn, x_bd, pos_b, inv_freq, ck, cv, cache_len: int):
     return attn.output(out_bkgx.reshape(b, cfg.num_heads, cfg.head_dim)), ck, cv
 
 
-def _paged_attention(attn, x_bd, pos_b, inv_freq, pool_k, pool_v, tables_bn, n_pages: int):
+def _paged_attention(attn, x_bd, pos_b, inv_freq, pool_k, pool_v, tables_bn, n_pages: int,
+                     kernel: str = "reference"):
     """`_attention` over a paged cache: the step's K/V go to each row's page for `pos_b`
     (rows whose position is past their table write nowhere), then `paged_attention` reads
-    the first `n_pages` pages of each row (the seam a Pallas kernel replaces)."""
+    the first `n_pages` pages of each row through `kernel` (`models/paged_kernels.py`)."""
     cfg = attn.cfg
     b = x_bd.shape[0]
     q, k, v = attn.project(x_bd[:, None], pos_b[:, None], inv_freq)
     pool_k = write_pages(pool_k, tables_bn, pos_b[:, None], k)
     pool_v = write_pages(pool_v, tables_bn, pos_b[:, None], v)
-    out = paged_attention(q, pool_k, pool_v, tables_bn, pos_b[:, None], n_pages)
+    out = paged_attention(q, pool_k, pool_v, tables_bn, pos_b[:, None], n_pages, kernel)
     return attn.output(out[:, 0].reshape(b, cfg.num_heads, cfg.head_dim)), pool_k, pool_v
 
 
@@ -96,7 +97,7 @@ def write_rows(cache: KVCache, model_cache: KVCache, rows_b) -> KVCache:
 
 
 def decode_logits(model: Decoder, token_b, pos_b, cache: KVCache, cache_len: int,
-                  tables_bn=None):
+                  tables_bn=None, kernel: str = "reference"):
     """Logits `[B, V]` (float32) of the next token after feeding `token_b` at `pos_b`, and the
     engine-layout cache with this step's K/V written at `pos_b` (positions >= the cache size
     are dropped).
@@ -104,7 +105,7 @@ def decode_logits(model: Decoder, token_b, pos_b, cache: KVCache, cache_len: int
     `pos_b` of a row whose output is used.
     With `tables_bn` (`[B, N]` page tables) `cache` holds page pools (`PagedKVCache` layout,
     `[P, C, K, X]` per layer) and attention reads each row's first `ceil(cache_len / C)`
-    pages."""
+    pages through `kernel` (a resolved `engine.attention_kernel`, `models/paged_kernels.py`)."""
     cfg = model.cfg
     inv_freq = rope_frequencies(cfg)
     h_bd = jnp.take(model.embed[...], token_b, axis=0).astype(cfg.dtype)
@@ -117,7 +118,7 @@ def decode_logits(model: Decoder, token_b, pos_b, cache: KVCache, cache_len: int
             page = cache.k[i].shape[1]
             n_pages = min(-(-cache_len // page), tables_bn.shape[1])
             a, ck, cv = _paged_attention(layer.attn, layer.input_norm(h_bd), pos_b, inv_freq,
-                                         cache.k[i], cache.v[i], tables_bn, n_pages)
+                                         cache.k[i], cache.v[i], tables_bn, n_pages, kernel)
         h_bd = h_bd + a.astype(h_bd.dtype)
         h_bd = h_bd + layer.mlp(layer.post_attn_norm(h_bd)).astype(h_bd.dtype)
         new_k.append(ck)

@@ -86,9 +86,12 @@ class StepFns(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode: str,
-             cache_sharding, replicated, page_size: int = 0) -> StepFns:
+             cache_sharding, replicated, page_size: int = 0,
+             attention_kernel: str = "reference") -> StepFns:
     """Jitted programs for one engine shape (cached for the process's lifetime: engines of
-    one shape share executables); `page_size > 0`: over a paged cache."""
+    one shape share executables); `page_size > 0`: over a paged cache, decode attention
+    through `attention_kernel` (a resolved `engine.attention_kernel`,
+    `models/paged_kernels.py`)."""
     graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))[0]
     # where inactive slots write: past the end of the dense cache / of every page table
     nowhere = -(-max_seq_len // page_size) * page_size if page_size else max_seq_len
@@ -138,7 +141,8 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
             active = slots.active
             # Inactive rows write past the end of the cache: the scatter drops it.
             pos = jnp.where(active, slots.pos, nowhere)
-            logits, cache = decode_logits(model, slots.token, pos, cache, cache_len, tables_bn)
+            logits, cache = decode_logits(model, slots.token, pos, cache, cache_len, tables_bn,
+                                          attention_kernel)
             token, logp = sample(logits, slots.rows, slots.pos + 1, logprob_mode)
             done = active & (is_stop(token, slots.rows.stop_ids)
                              | (slots.pos + 2 >= slots.rows.limit))

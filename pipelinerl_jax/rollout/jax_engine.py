@@ -16,7 +16,9 @@ of KV and `kv_budget_tokens` is the admission limit that models HBM on an accele
 many tokens of KV the device could hold); 'paged' holds a pool of `kv_budget_tokens` tokens
 (or `kv_memory_fraction` of free device memory) in pages of `page_size` that the slots share
 (`models/paged_attention.py`, `rollout/page_allocator.py`): admission by free pages, pages
-allocated as a sample grows, preemption with recompute when the pool runs dry.
+allocated as a sample grows, preemption with recompute when the pool runs dry. Paged decode
+attention runs through `engine.attention_kernel` (`models/paged_kernels.py`: a Pallas kernel
+on one TPU or GPU under 'auto', the pure-JAX reference on CPU).
 
 `engine_config` / `validate_engine_config` own the run config's `engine` section and
 `make_jax_engine` builds a rollout worker's engine: the 'jax' row of `rollout/factory.py`.
@@ -40,6 +42,7 @@ from pipelinerl_jax.models import (Decoder, flat_params, from_pretrained, param_
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models.lora import LoRASpec, adapter_shapes, merge_lora
+from pipelinerl_jax.models import paged_kernels
 from pipelinerl_jax.models.paged_attention import init_paged_cache
 from pipelinerl_jax.models.params import WeightsMismatch
 from pipelinerl_jax.rollout import engine_memory, engine_steps
@@ -66,6 +69,9 @@ def engine_config() -> ml_collections.ConfigDict:
     # (in pages of page_size tokens) shared by the slots, admission by free pages, preemption
     c.kv_layout = "dense"
     c.page_size = 16  # tokens per KV page (kv_layout='paged')
+    # paged decode attention: 'auto' (a Pallas kernel on one TPU/GPU, else the reference),
+    # 'reference' (pure JAX, any backend) or 'pallas' (models/paged_kernels.py)
+    c.attention_kernel = "auto"
     # paged only: size the pool to this share of the device memory the weights leave free
     # (instead of kv_budget_tokens); 0 = off
     c.kv_memory_fraction = 0.0
@@ -115,6 +121,7 @@ def validate_engine_config(cfg, prefix: str = "engine") -> None:
     cfg_lib.one_of(root, k("kv_policy"), KV_POLICIES)
     cfg_lib.one_of(root, k("kv_layout"), KV_LAYOUTS)
     cfg_lib.positive_int(root, k("page_size"))
+    cfg_lib.one_of(root, k("attention_kernel"), paged_kernels.ATTENTION_KERNELS)
     if cfg["page_size"] > max_seq_len:
         raise cfg_lib.ConfigError(k("page_size"), f"{cfg['page_size']} exceeds max_seq_len "
                                                   f"{max_seq_len}")
@@ -195,9 +202,17 @@ class JaxEngine(InferenceEngine):
         cache_sharding = NamedSharding(  # engine layout: [slots, kv heads, ...]; paged:
             self._mesh, sharding_lib.logical_to_spec(  # [pages, page, kv heads, head_dim]
                 (None, None, "kv_heads", None) if pool else (None, "kv_heads", None, None)))
+        # the paged decode attention's implementation (`paged_kernels.IMPLS`; dense: unused)
+        self.attention_impl = "reference"
+        if pool:
+            try:
+                self.attention_impl = paged_kernels.resolve_attention_kernel(
+                    cfg.attention_kernel, devices[0].platform, len(devices))
+            except ValueError as e:
+                raise cfg_lib.ConfigError("engine.attention_kernel", str(e)) from None
         fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
                                     cfg.logprob_mode, cache_sharding, replicated,
-                                    self.page_size)
+                                    self.page_size, self.attention_impl)
         initial = self._materialise(model)
         # LoRA (docs/lora.md): `model` is the frozen base, kept; a version is its adapters,
         # merged into this copy of the base (in float32) once per version by `update_weights`.

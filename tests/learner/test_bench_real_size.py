@@ -48,6 +48,23 @@ def test_mesh_flag_runs_the_learner_on_one_device(tmp_path):
     assert out["learner"]["param_bytes_per_device"] > 0
 
 
+def test_kv_layout_both_times_dense_and_paged_side_by_side(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_real_size.py"),
+                           "--smoke", f"--workdir={tmp_path}", "--only=engine",
+                           "--kv-layout=both", "--batches=8"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    dense, paged = out["engine"]["batch_8"], out["engine_paged"]["batch_8"]
+    assert out["engine_paged"]["attention_impl"] == "reference"  # 'auto' on CPU
+    assert paged["tokens_per_s"] > 0 and paged["roofline_tokens_per_s"] == dense[
+        "roofline_tokens_per_s"]  # same weights and live KV read: one roofline
+    assert out["paged_vs_dense_of_roofline"]["batch_8"] == pytest.approx(
+        paged["of_roofline"] / dense["of_roofline"], abs=2e-3)
+
+
 def test_weight_sync_bench_smoke():
     """scripts/bench_weight_sync.py --small: both publication modes through a real StreamSink."""
     env = dict(os.environ, PYTHONPATH=ROOT)
