@@ -35,3 +35,34 @@ def eight_devices():
                     f"XLA_FLAGS (now {os.environ.get('XLA_FLAGS')!r}), which JAX reads only if "
                     f"it was not imported before conftest", pytrace=False)
     return devices[:DEVICES]
+
+
+@pytest.fixture(scope="session")
+def device_check_cpu(tmp_path_factory):
+    """`scripts/device_check.sh --cpu`, run once per session: (exit status, the JSON result,
+    `part_json(part)` = the last JSON line of a part's log, i.e. its benchmark script's own
+    output). The benchmark smoke tests read their scripts' output from here instead of running
+    each script a second time (bench_lora, bench_real_size's learner and engine halves)."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, PYTHON=sys.executable)
+    env.pop("XLA_FLAGS", None)
+    env.pop("OUT", None)
+    base = tmp_path_factory.mktemp("device_check")
+    out, work = base / "out", base / "work"
+    proc = subprocess.run(["bash", os.path.join(root, "scripts", "device_check.sh"), "--cpu",
+                           f"--out={out}", f"--workdir={work}"], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=1500)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def part_json(part):
+        for line in reversed((out / f"{part}.log").read_text().splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    continue
+        raise AssertionError(f"no JSON line in {part}.log: {(out / f'{part}.log').read_text()[-2000:]}")
+    return proc.returncode, result, out, part_json

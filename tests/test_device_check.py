@@ -1,7 +1,6 @@
 """scripts/device_check.sh: the accelerator check's driver, run here in its --cpu form."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -50,17 +49,9 @@ def test_requirements_are_read_from_setup_py():
 
 @pytest.mark.bench_smoke
 @pytest.mark.slow
-def test_cpu_mode_prints_one_json_line_with_every_part(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHON=sys.executable)
-    env.pop("XLA_FLAGS", None)
-    env.pop("OUT", None)
-    out, work = tmp_path / "out", tmp_path / "work"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "device_check.sh"), "--cpu",
-                           f"--out={out}", f"--workdir={work}"], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=1200)
-    lines = proc.stdout.strip().splitlines()
-    result = json.loads(lines[-1])
-    assert proc.returncode == 0, json.dumps(result)[-3000:]
+def test_cpu_mode_prints_one_json_line_with_every_part(device_check_cpu):
+    returncode, result, out, _ = device_check_cpu  # tests/conftest.py: run once per session
+    assert returncode == 0, json.dumps(result)[-3000:]
     assert json.loads((out / "device_check.json").read_text()) == result
     assert result["mode"] == "cpu" and result["ok"] is True
     assert set(device_check.PARTS) == {"env", "model", "lora", "engine", "paged", "train"}

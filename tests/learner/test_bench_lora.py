@@ -1,25 +1,17 @@
 """scripts/bench_lora.py --smoke: full fine-tuning vs LoRA on the tiny model. The bytes the
 script derives from shapes alone equal those of the states it then builds and trains."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.bench_smoke]  # benchmark scripts, tiny shapes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def test_smoke_prints_one_json_line_whose_bytes_match_the_real_states():
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_lora.py"),
-                           "--smoke"], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_smoke_prints_one_json_line_whose_bytes_match_the_real_states(device_check_cpu):
+    """`bench_lora.py --smoke` as device_check's `lora` part runs it (tests/conftest.py runs
+    the check once per session; its log holds the script's own JSON line)."""
+    _, result, _, part_json = device_check_cpu
+    assert result["lora"]["status"] == "ok", result["lora"]
+    out = part_json("lora")
     sizes, timed = out["bytes_full_shape"], out["timed"]
     assert timed["layers"] == 2  # the smoke model is timed whole: its bytes are comparable
     for kind in ("full", "lora"):
