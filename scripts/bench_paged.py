@@ -65,18 +65,18 @@ MAX_SEQ_LEN = 256  # the sampler-bound config's context: 128 prompt + 127 answer
 TALK_MEDIAN, TALK_P99, TALK_TAIL = 25, 76, 3.0
 
 
-def _sampler_bound_lengths(n: int, rng) -> list:
+def sampler_bound_workload(n: int, seed: int, vocab: int, group: int = 1):
+    """`n` sequences: `n / group` requests of `group` samples (sampled when group > 1). Each
+    request draws its answer length L from configs/sampler_bound.py's distribution, then a
+    prompt of L + 1 tokens, in that order (so group = 1 gives the first slice's workload:
+    the same requests for the same seed, and BENCHMARKS.md's figures stay reproducible)."""
     t = sampler_bound.get_config().task
     task = SyntheticStringTask("reverse", t.median_length, t.p99_length, t.min_length,
                                t.max_length)
-    return [task.sample_length(rng) for _ in range(n)]
-
-
-def sampler_bound_workload(n: int, seed: int, vocab: int, group: int = 1):
-    """`n` sequences: `n / group` requests of `group` samples (sampled when group > 1)."""
     rng = np.random.default_rng(seed)
     reqs = []
-    for i, length in enumerate(_sampler_bound_lengths(n // group, rng)):
+    for i in range(n // group):
+        length = task.sample_length(rng)
         prompt = rng.integers(1, vocab, length + 1).astype(np.int32)
         sampling = dict(temperature=1.0) if group > 1 else dict(temperature=0.0)
         reqs.append(GenerationRequest(f"s{i}", prompt, SamplingParams(

@@ -5,8 +5,8 @@ several KV budgets, under the long-tailed lengths of configs/sampler_bound.py.
     PYTHONPATH=. python scripts/sim_paged_agreement.py            # 512 sequences, 2 budgets
     PYTHONPATH=. python scripts/sim_paged_agreement.py --quick    # 64 sequences, smoke run
 
-Workload: `scripts/bench_paged.py`'s (its `workload()`: answer length L from the sampler-bound
-task, prompt L + 1 tokens, exactly L + 1 new tokens, greedy, all queued at once), on its
+Workload: `scripts/bench_paged.py`'s `sampler_bound_workload()` (answer length L from the
+sampler-bound task, prompt L + 1 tokens, exactly L + 1 new tokens, greedy, all queued at once), on its
 engine settings (max_seq_len 256, 16 decode steps per chunk, pages of 16, 128 decode rows),
 with a page pool of each `--budgets` tokens. Coarser prefill / cache buckets than the bench
 keep compiles few; buckets change no admission, chunk or page decision.
@@ -150,7 +150,8 @@ def long_run(args) -> dict:
     engine): 6,000 requests, the steady mean after the first 300 decode steps, at 1k-8k
     token pools, with the bench's decode rows (the refill threshold cuts chunks short) and
     with rows enough that chunks run whole."""
-    prompts, new = lengths_of(bench_paged.workload(6000, 3, tiny_config().vocab_size))
+    prompts, new = lengths_of(bench_paged.sampler_bound_workload(6000, 3,
+                                                                 tiny_config().vocab_size))
     out = {}
     for rows in (args.paged_slots, 100_000):
         a = argparse.Namespace(**{**vars(args), "paged_slots": rows})
@@ -221,9 +222,10 @@ def main():
 
     cfg = tiny_config()
     model = Decoder(cfg, nnx.Rngs(0))
-    reqs = bench_paged.workload(n, args.seed, cfg.vocab_size)
+    reqs = bench_paged.sampler_bound_workload(n, args.seed, cfg.vocab_size)
     prompts, new = lengths_of(reqs)
-    fresh_p, fresh_n = lengths_of(bench_paged.workload(n, args.sim_seed, cfg.vocab_size))
+    fresh_p, fresh_n = lengths_of(bench_paged.sampler_bound_workload(n, args.sim_seed,
+                                                                     cfg.vocab_size))
 
     results, panels, t0 = {}, [], time.perf_counter()
     for budget in budgets:

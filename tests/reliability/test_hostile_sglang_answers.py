@@ -67,14 +67,16 @@ def _mutate(item, draw):
                 node.pop(path[-1], None)
             else:
                 node[path[-1]] = draw(JSON)
-    elif kind == "logprob" and isinstance(pairs, list) and pairs and isinstance(pairs[0], list):
-        i = draw(st.integers(0, len(pairs) - 1))
-        pairs[i][0] = draw(BAD_NUMBERS)
-    elif kind == "token" and isinstance(pairs, list) and pairs and isinstance(pairs[0], list):
-        i, value = draw(st.integers(0, len(pairs) - 1)), draw(BAD_NUMBERS)
-        pairs[i][1] = value
+    elif kind in ("logprob", "token") and isinstance(pairs, list) and any(
+            isinstance(p, list) and len(p) >= 2 for p in pairs):
+        # only rows still shaped [logprob, token, ...]: an earlier "replace" may have left
+        # `[[], None]` there, which the parser must refuse as it is (the fuzzer edits no more)
+        rows = [j for j, p in enumerate(pairs) if isinstance(p, list) and len(p) >= 2]
+        i = rows[draw(st.integers(0, len(rows) - 1))]
+        value = draw(BAD_NUMBERS)
+        pairs[i][0 if kind == "logprob" else 1] = value
         ids = item.get("output_ids")
-        if isinstance(ids, list) and i < len(ids) and draw(st.booleans()):
+        if kind == "token" and isinstance(ids, list) and i < len(ids) and draw(st.booleans()):
             ids[i] = value  # consistent, but still bad (an earlier edit may have cut the ids)
     elif kind == "span":
         meta["weight_versions"] = draw(st.lists(st.fixed_dictionaries(
