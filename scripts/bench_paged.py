@@ -58,6 +58,7 @@ from pipelinerl_jax.models import Decoder, tiny_config  # noqa: E402
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.tasks.synthetic import SyntheticStringTask  # noqa: E402
+from pipelinerl_jax.sim.paged import weighted_median  # noqa: E402
 from pipelinerl_jax.types import GenerationRequest, SamplingParams  # noqa: E402
 
 MAX_SEQ_LEN = 256  # the sampler-bound config's context: 128 prompt + 127 answer tokens
@@ -102,12 +103,6 @@ def talk_workload(n: int, seed: int, vocab: int):
         reqs.append(GenerationRequest(f"t{i}", prompt, SamplingParams(
             max_new_tokens=int(length), temperature=0.0, seed=i)))
     return reqs
-
-
-def weighted_median(values, weights):
-    order = np.argsort(values)
-    v, w = np.asarray(values)[order], np.asarray(weights)[order]
-    return float(v[np.searchsorted(np.cumsum(w), 0.5 * w.sum())])
 
 
 def run(model, config: dict, reqs):

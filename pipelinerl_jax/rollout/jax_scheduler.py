@@ -406,6 +406,14 @@ class SlotScheduler:
         each slot's pending token, the prompt's last, at position `len(prompt) - 1`."""
         if not starts:
             return
+        self._run_start(starts)
+        with self._cv:
+            self._stats.add(cow_page_copies=sum(c is not None for _, _, c in starts))
+
+    def _run_start(self, starts) -> None:
+        """The device `start` program over `starts` (empty: every row a no-op, as warmup
+        compiles it): page copies (rows without one copy to the out-of-range page, dropped),
+        slot state and pending token of each starting sample."""
         n, none = self.num_slots, self._pages.num_pages
         src, dst = np.zeros((n,), np.int32), np.full((n,), none, np.int32)
         slot_idx = np.full((n,), n, np.int32)
@@ -418,8 +426,6 @@ class SlotScheduler:
             _fill_row(rows, j, s)
         self._cache, self._slots_dev = self._fns.start(
             self._cache, self._slots_dev, src, dst, slot_idx, token, pos, RowParams(**rows))
-        with self._cv:
-            self._stats.add(cow_page_copies=sum(c is not None for _, _, c in starts))
 
     # ------------------------------------------------------------------ pages
 
@@ -708,12 +714,7 @@ class SlotScheduler:
                 self._slots_dev = self._fns.permute(
                     self._slots_dev, np.arange(self.num_slots, dtype=np.int32))
                 n += 1
-                s = self.num_slots  # (starting samples on a shared prompt: nothing to do)
-                self._cache, self._slots_dev = self._fns.start(
-                    self._cache, self._slots_dev, np.zeros((s,), np.int32),
-                    np.full((s,), self._pages.num_pages, np.int32), np.full((s,), s, np.int32),
-                    np.zeros((s,), np.int32), np.zeros((s,), np.int32),
-                    RowParams(**self._row_params(s)))
+                self._run_start([])  # (starting samples on a shared prompt: nothing to do)
                 n += 1
         return n
 

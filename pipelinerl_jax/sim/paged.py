@@ -125,9 +125,9 @@ class ChunkTrace:
         over the chunks that ran while sequences were queued; steps; preemptions."""
         q = self.queued
         return {"mean_active": _mean(self.active, self.steps),
-                "p50_active": _weighted_median(self.active, self.steps),
+                "p50_active": weighted_median(self.active, self.steps),
                 "mean_active_while_queued": _mean(self.active[q], self.steps[q]),
-                "p50_active_while_queued": _weighted_median(self.active[q], self.steps[q]),
+                "p50_active_while_queued": weighted_median(self.active[q], self.steps[q]),
                 "decode_steps": int(self.steps.sum()),
                 "preemptions": int(self.preempted.sum())}
 
@@ -136,7 +136,8 @@ def _mean(values, weights) -> float:
     return float(np.dot(values, weights) / weights.sum()) if weights.size else 0.0
 
 
-def _weighted_median(values, weights) -> float:
+def weighted_median(values, weights) -> float:
+    """The value below which half the total weight lies (arrays; 0.0 when empty)."""
     if not weights.size:
         return 0.0
     order = np.argsort(values)
