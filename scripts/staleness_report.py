@@ -28,6 +28,9 @@ _RESULTS = flags.DEFINE_list("results", [], "Committed-table folders, grid or ru
 _OUT = flags.DEFINE_string("out", "", "Markdown file to write (default: print only).")
 _FIGURES = flags.DEFINE_string("figures", "", "If set, draw the staleness figures here.")
 _ESS = flags.DEFINE_float("ess_threshold", staleness.ESS_THRESHOLD, "ESS threshold.")
+_REEVAL = flags.DEFINE_list(
+    "reeval", [], "CSV(s) written by scripts/staleness_reeval.py: also give every comparison's "
+    "resolution on the final checkpoints re-scored on the larger held-out set.")
 _JSON = flags.DEFINE_bool("json", False, "Also print the analysis as one JSON line.")
 
 
@@ -48,19 +51,38 @@ def main(argv):
         rows = staleness.pairwise(main)
         same = staleness.identical_arms(grid)
         notes = staleness.reductions(main)
+        curve_rows = staleness.pairwise(main, staleness.curve_accuracy)
+        curve = ["### Resolution of the curve level (mean accuracy over steps >= "
+                 f"{staleness.CURVE_FROM_STEP})", "",
+                 staleness.resolution_markdown(
+                     curve_rows, metric=f"mean held-out accuracy of the evaluations at steps "
+                                        f">= {staleness.CURVE_FROM_STEP}"), ""]
+        rescored, extra = [], {"resolution_curve": staleness.resolution(curve_rows)}
+        if _REEVAL.value:
+            fn, sizes = staleness.rescored_accuracy(_REEVAL.value)
+            what = (f"final checkpoint re-scored on {'/'.join(map(str, sizes))} held-out "
+                    "problems (scripts/staleness_reeval.py)")
+            rows_rescored = staleness.pairwise(main, fn)
+            rescored = ["### Resolution on the re-scored final checkpoints", "",
+                        staleness.resolution_markdown(rows_rescored, metric=what), "",
+                        "Significant pairs (re-scored):", "",
+                        staleness.pairwise_markdown(rows_rescored), ""]
+            extra.update(resolution_rescored=staleness.resolution(rows_rescored),
+                         rescored_eval_sizes=sizes)
         parts += [f"## Learning rate {lr:g}", "",
                   "### Final held-out accuracy vs injected lag", "",
                   staleness.accuracy_markdown(grid), "",
                   "### Resolution: every loss-vs-loss comparison at lag >= 4", "",
                   staleness.resolution_markdown(rows), "",
                   "Significant pairs:", "", staleness.pairwise_markdown(rows), "",
+                  *curve, *rescored,
                   "### Arms that are the same update", "",
                   staleness.identical_markdown(same, notes), "",
                   "### Does the ESS of the stalest lag bucket predict the drop?", "",
                   staleness.ess_markdown(ess), ""]
         out_json[f"{lr:g}"] = {"accuracy": staleness.accuracy_table(grid), "ess": ess,
                                "resolution": staleness.resolution(rows), "identical": same,
-                               "reductions": notes}
+                               "reductions": notes, **extra}
     if len(groups) > 1:
         cells = staleness.drift_cells({f"lr {lr:g}": staleness.main_arms(g)
                                        for lr, g in groups.items()})

@@ -82,6 +82,32 @@ def final_accuracy(r: Run) -> Optional[float]:
     return r.evals[-1][2] if r.evals else None
 
 
+CURVE_FROM_STEP = 20
+
+
+def curve_accuracy(r: Run, from_step: int = CURVE_FROM_STEP) -> Optional[float]:
+    """The mean held-out accuracy of a run's evaluations at steps >= `from_step` (the level of
+    its learning curve over the last two thirds of a 60-step grid run: steps 20, 40, 60). A
+    lower-noise companion of the final accuracy: it averages out step-to-step wander, and it
+    also counts how fast a run got there."""
+    vals = [acc for step, _, acc in r.evals if step >= from_step]
+    return float(np.mean(vals)) if vals else None
+
+
+def rescored_accuracy(paths: Sequence[str]):
+    """(fn, eval sizes): `fn(run)` = the run's final checkpoint re-scored on a larger
+    held-out set by scripts/staleness_reeval.py (CSV files; run name -> accuracy), None for a
+    run they do not hold."""
+    import csv
+    table, sizes = {}, set()
+    for path in paths:
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                table[row["run"]] = float(row["accuracy"])
+                sizes.add(int(row["eval_size"]))
+    return (lambda r: table.get(r.name)), sorted(sizes)
+
+
 def ess_stalest(r: Run) -> Optional[float]:
     return stalest_diagnostics(r)["ess_stalest"]
 
@@ -323,7 +349,8 @@ def resolution(rows: Sequence[dict], goal: float = 0.05) -> List[dict]:
     return out
 
 
-def resolution_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
+def resolution_markdown(rows: Sequence[dict], scale: float = 100.0,
+                        metric: str = "final held-out accuracy") -> str:
     summary = resolution(rows)
     out = ["| lag | comparisons | seeds | SD of paired diff | 95% half-width median / max | "
            "MDE (80% power) median / max | half-width <= 5 pts | significant | expected by "
@@ -335,7 +362,7 @@ def resolution_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
                    f"{r['mde_max'] * scale:.1f} | {'yes' if r['goal_met'] else 'no'} | "
                    f"{r['significant']} | {r['expected_false_positives']:.1f} |")
     n = sum(r["comparisons"] for r in summary)
-    out += ["", f"Every pair of arms at each lag >= 4, final held-out accuracy, paired by seed "
+    out += ["", f"Every pair of arms at each lag >= 4, {metric}, paired by seed "
                 f"(points). MDE: the smallest true difference the paired t-test detects with "
                 f"80% power at 5% two-sided. {n} comparisons: at a 5% level ~{0.05 * n:.0f} "
                 f"would come out significant by chance alone if no loss differed."]

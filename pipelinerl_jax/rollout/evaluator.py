@@ -80,20 +80,26 @@ class Evaluator:
         """Evaluates the engine's current weights (`version` names the requests)."""
         if self.runner is not None:
             return self._episodes()
+        t0 = time.time()
+        correct, lengths = self.correct(version)
+        return {"eval/accuracy": float(np.mean(correct)),
+                "eval/response_length_mean": float(np.mean(lengths)),
+                "eval/time_s": time.time() - t0}
+
+    def correct(self, version: int):
+        """(correct, response lengths): one entry per held-out problem, in the set's order,
+        from greedy completions of the engine's current weights (single-turn tasks)."""
         reqs = [GenerationRequest(f"eval-{version}-{i}",
                                   np.asarray(self.tok.encode_prompt(p.prompt), np.int32),
                                   SamplingParams(max_new_tokens=self.max_new_tokens,
                                                  temperature=0.0,
                                                  stop_token_ids=(self.tok.eos_id,)))
                 for i, p in enumerate(self.problems)]
-        t0 = time.time()
         outs = self.engine.generate(reqs)
-        correct = [self.task.reward(p, self.tok.decode(c.token_ids, stop_at_eos=True),
-                                    c.finish_reason).correct
-                   for p, c in zip(self.problems, outs)]
-        return {"eval/accuracy": float(np.mean(correct)),
-                "eval/response_length_mean": float(np.mean([len(c.token_ids) for c in outs])),
-                "eval/time_s": time.time() - t0}
+        correct = np.array([self.task.reward(p, self.tok.decode(c.token_ids, stop_at_eos=True),
+                                             c.finish_reason).correct
+                            for p, c in zip(self.problems, outs)], bool)
+        return correct, np.array([len(c.token_ids) for c in outs])
 
     def _episodes(self) -> dict:
         t0 = time.time()

@@ -104,6 +104,47 @@ def test_second_invocation_skips_finished_runs(grid_run):
     assert "6 runs" in out.stdout
 
 
+@pytest.mark.slow
+def test_reeval_rescores_each_runs_last_checkpoint_once(grid_run, tmp_path):
+    """scripts/staleness_reeval.py: every finished run's last checkpoint scored on a larger
+    held-out set by one engine; the score is the evaluator's own on those weights; a second
+    invocation scores nothing again."""
+    _, workdir, _ = grid_run
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import staleness_reeval
+    out_csv = str(tmp_path / "reeval.csv")
+    first = staleness_reeval.main([f"--results={workdir}", f"--out={out_csv}",
+                                   "--eval_size=24"])
+    assert first["runs"] == 4 and first["skipped_already_scored"] == 0
+    with open(out_csv) as f:
+        rows = {r["run"]: r for r in csv.DictReader(f)}
+    assert sorted(rows) == NAMES
+    assert all(r["step"] == "2" and r["eval_size"] == "24" for r in rows.values())
+    # the score of lag=1,seed=1 is the evaluator's accuracy on that run's step-2 parameters
+    from pipelinerl_jax.envs import build_task
+    from pipelinerl_jax.learner.checkpoint import Checkpointer
+    from pipelinerl_jax.models import flat_params
+    from pipelinerl_jax.rollout.evaluator import Evaluator
+    from pipelinerl_jax.tokenizers import get_tokenizer
+    import ml_collections
+    run = os.path.join(workdir, "runs", "lag=1,seed=1")
+    cfg = ml_collections.ConfigDict(json.load(open(os.path.join(run, "config.json"))))
+    cfg.learner.eval_size = 24
+    ckpt = Checkpointer(os.path.join(run, "checkpoints"), async_save=False)
+    state, _, _ = ckpt.read_state()
+    ckpt.close()
+    ev = Evaluator.embedded(cfg, open(os.path.join(run, "init_checkpoint.txt")).read().strip(),
+                            build_task(cfg), get_tokenizer(cfg.tokenizer))
+    try:
+        want = ev(flat_params(state["params"]), 7)["eval/accuracy"]
+    finally:
+        ev.close()
+    assert float(rows["lag=1,seed=1"]["accuracy"]) == want
+    again = staleness_reeval.main([f"--results={workdir}", f"--out={out_csv}",
+                                   "--eval_size=24"])
+    assert again["runs"] == 0 and again["skipped_already_scored"] == 4
+
+
 # ---------------------------------------------------------------------------- cheap contracts
 
 def test_expand_names_runs_and_cells():

@@ -1,6 +1,7 @@
 """Reading the staleness grid honestly: identical arms are flagged, every comparison gets its
 half-width and minimum detectable effect, decoupled losses are labelled with what they reduce
 to at minibatches=1, and the drift analysis tells lag from drift."""
+import csv
 import math
 import os
 import sys
@@ -125,3 +126,29 @@ def test_a_later_sitting_exports_into_its_own_tables_without_duplicates(tmp_path
     import shutil
     shutil.rmtree(runs / "a")
     assert results.export_tables([str(runs), tables], tables)["runs"] == 3
+
+
+def test_curve_level_and_rescored_accuracy_are_alternative_metrics_of_the_same_runs(tmp_path):
+    # evaluations at steps 0, 4, 8, 12 (synthetic.write_run); accuracy = step / 100 + seed
+    # offset, so the curve level over steps >= 4 is the mean of steps 4, 8 and 12
+    acc = lambda s, k, st: st / 100 + 0.01 * s + (0.05 if k else 0.0)  # noqa: E731
+    grid = _grid(tmp_path / "runs", {"ppo": ("ppo", acc), "tis": ("tis", acc)})
+    run = grid["ppo"][4][1]
+    assert math.isclose(staleness.curve_accuracy(run, from_step=4), 0.08 + 0.01 + 0.05)
+    assert staleness.curve_accuracy(run, from_step=13) is None
+    assert math.isclose(staleness.final_accuracy(run), 0.12 + 0.01 + 0.05)
+    # re-scored accuracies come from the re-evaluation CSV by run name; runs it lacks -> None
+    csv_path = tmp_path / "reeval.csv"
+    with open(csv_path, "w", newline="") as f:  # run names hold commas: quoted by csv
+        w = csv.writer(f)
+        w.writerow(["run", "step", "version", "eval_size", "accuracy", "accuracy_256",
+                    "logged_accuracy_256", "seconds"])
+        for s in (0, 1, 2):
+            for label, value in (("ppo", 0.5 + 0.01 * s), ("tis", 0.4 + 0.02 * s)):
+                w.writerow([grid[label][4][s].name, 12, 12, 2048, value, 0, 0, 1])
+    fn, sizes = staleness.rescored_accuracy([str(csv_path)])
+    assert sizes == [2048] and fn(grid["ppo"][0][0]) is None
+    (row,) = staleness.pairwise(grid, fn)
+    assert row["lag"] == 4 and row["n"] == 3
+    assert math.isclose(row["diff"], np.mean([0.1 - 0.01 * s for s in (0, 1, 2)]))
+    assert math.isclose(row["sd"], 0.01, rel_tol=1e-6)
