@@ -36,7 +36,6 @@ Host bookkeeping only; the scheduler calls it under its lock.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 from typing import Dict, List, Optional, Sequence
 
@@ -53,13 +52,13 @@ class Node:
     tokens: tuple  # the page's token ids
     page: int
     version: int  # oldest K/V write version along the path (module docstring)
-    used: int = 0  # LRU clock of the last lookup or insert that touched it
-    children: int = 0
 
 
 class PrefixCache:
     """Retained pages of finished samples, keyed by the tokens they hold (module docstring).
-    Registers itself as `pages.reclaimer`."""
+    Registers itself as `pages.reclaimer`. Per page, `used` (the LRU clock of the last
+    lookup or insert that touched its node) and `children` live in arrays, so finding the
+    least recently used evictable leaf is one vectorised pass over the pool."""
 
     def __init__(self, pages: PageAllocator):
         self._pages = pages
@@ -67,6 +66,8 @@ class PrefixCache:
         self._by_page: Dict[int, Node] = {}
         self._ids = itertools.count(1)  # ident 0 is the root
         self._clock = itertools.count(1)
+        self._used = np.zeros((pages.num_pages,), np.int64)
+        self._children = np.zeros((pages.num_pages,), np.int32)
         self.evictions = 0
         pages.reclaimer = self
 
@@ -88,7 +89,7 @@ class PrefixCache:
             node = self._nodes.get(self._key(parent, tokens[i * c:(i + 1) * c]))
             if node is None or (min_version is not None and node.version < min_version):
                 break
-            node.used = now
+            self._used[node.page] = now
             out.append(node)
             parent = node
         return out
@@ -112,11 +113,11 @@ class PrefixCache:
                 self._nodes[key] = node
                 self._by_page[node.page] = node
                 if parent is not None:
-                    parent.children += 1
+                    self._children[parent.page] += 1
                 added += 1
             elif node.page != int(page):
                 break
-            node.used = now
+            self._used[node.page] = now
             parent = node
         return added
 
@@ -128,18 +129,15 @@ class PrefixCache:
     def evict(self, n: int) -> int:
         """Frees up to `n` pages only the cache holds, least recently used leaves first;
         returns how many were freed."""
-        refs = self._pages.refs
-        heap = [(node.used, node.ident, node) for node in self._nodes.values()
-                if node.children == 0 and refs[node.page] == 1]
-        heapq.heapify(heap)
+        refs, kept = self._pages.refs, self._pages.retained
+        never = np.iinfo(np.int64).max
         freed = 0
-        while heap and freed < n:
-            _, _, node = heapq.heappop(heap)
-            self._drop(node)
+        while freed < n:
+            leaf = (kept > 0) & (refs == kept) & (self._children == 0)
+            if not leaf.any():
+                break
+            self._drop(self._by_page[int(np.argmin(np.where(leaf, self._used, never)))])
             freed += 1
-            parent = node.parent
-            if parent is not None and parent.children == 0 and refs[parent.page] == 1:
-                heapq.heappush(heap, (parent.used, parent.ident, parent))
         self.evictions += freed
         return freed
 
@@ -149,12 +147,13 @@ class PrefixCache:
             self._pages.unretain(node.page)
         self._nodes.clear()
         self._by_page.clear()
+        self._children[:] = 0
 
     def _drop(self, node: Node) -> None:
         del self._nodes[(node.parent.ident if node.parent is not None else 0, node.tokens)]
         del self._by_page[node.page]
         if node.parent is not None:
-            node.parent.children -= 1
+            self._children[node.parent.page] -= 1
         self._pages.unretain(node.page)
 
 
