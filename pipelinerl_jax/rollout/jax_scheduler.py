@@ -103,14 +103,16 @@ class SlotScheduler:
     `max_stops`, `kv_policy`, `seed` (of unseeded requests' seeds). `pages`: the paged
     layout's allocator (then `cache` holds page pools and `kv_budget` is unused), None for
     the dense layout. `prefix_cache` (paged only): keep finished samples' full pages for
-    reuse by later requests whose prompts start with their tokens (`prefix_cache.py`).
+    reuse by later requests whose prompts start with their tokens (`prefix_cache.py`);
+    `reuse_max_lag`: how many versions older than the live one reused pages may be (keep).
     """
 
     def __init__(self, fns, params, cache, slots_dev, *, num_slots: int, max_seq_len: int,
                  kv_budget: int, prefill_buckets: tuple, cache_buckets: tuple,
                  batch_buckets: tuple, steps: int, refill: int, max_stops: int,
                  kv_policy: str, seed: int, version: int, engine_id: str,
-                 pages: Optional[PageAllocator] = None, prefix_cache: bool = False):
+                 pages: Optional[PageAllocator] = None, prefix_cache: bool = False,
+                 reuse_max_lag: int = 0):
         self.num_slots, self.max_seq_len, self.kv_budget = num_slots, max_seq_len, kv_budget
         self.prefill_buckets, self.cache_buckets = prefill_buckets, cache_buckets
         self.batch_buckets = batch_buckets
@@ -139,6 +141,7 @@ class SlotScheduler:
         self._share = PromptShare(pages) if pages is not None else None
         # paged: finished samples' full pages, reused by prompts that start with their tokens
         self._retained = PrefixCache(pages) if pages is not None and prefix_cache else None
+        self._reuse_max_lag = 0 if kv_policy == "recompute" else int(reuse_max_lag)
         self._submitted = 0
         # paged: decode runs over the first `rows` slots, running samples packed there
         self.row_buckets = (buckets((), 8, num_slots) if pages is not None else (num_slots,))
@@ -418,18 +421,18 @@ class SlotScheduler:
         """Maps into free `slot` the pages of `seq`'s first positions that some holder has
         written already: its group's shared prompt (a preempted sample of a group whose
         prefix is live) or the longest retained prefix (`prefix_cache.py`), whichever
-        covers more, never `seq`'s last token; under 'recompute' only the live version's.
-        Returns (positions mapped, the oldest version that wrote them; the live version
+        covers more, never `seq`'s last token; only pages written at most `reuse_max_lag`
+        versions before the live one (under 'recompute': the live version's). Returns (positions mapped, the oldest version that wrote them; the live version
         when none)."""
         if self._pages is None:
             return 0, self._version
         c, limit = self._pages.page_size, (len(seq) - 1) // self._pages.page_size
-        newest = self._version if self._kv_policy == "recompute" else None
+        oldest = self._version - self._reuse_max_lag
         prefix = self._share.live(s.request.request_id) if s.n_generated else None
-        if prefix is not None and (newest is not None and prefix.version < newest):
+        if prefix is not None and prefix.version < oldest:
             prefix = None
         group = min(len(prefix.full), limit) if prefix is not None else 0
-        nodes = (self._retained.match(seq, limit, newest)
+        nodes = (self._retained.match(seq, limit, oldest)
                  if self._retained is not None else [])
         if group and group == len(prefix.full) and group >= len(nodes):
             self._share.rejoin(s, slot)

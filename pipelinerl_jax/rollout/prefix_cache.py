@@ -28,8 +28,10 @@ its path (its sample's `kv_version`: writes only get newer along a sequence, eve
 is position 0's). A request admitted onto a path reports the minimum over the nodes it maps
 as its `kv_version`. Under `kv_policy='recompute'` only pages written by the live version
 may be reused, and a weight update `clear`s the cache; under 'keep' the pages stay valid
-but stale and the `kv_version` of whoever reuses them says how stale (docs/engine.md
-argues why no staleness cap).
+but stale: `match` skips those written more than `engine.prefix_cache_max_lag` versions
+before the live one (default 0, so by default reuse never makes a `kv_version` older than
+a fresh prefill's; docs/engine.md argues the cap), and the kv_version of whoever reuses
+older ones says how stale. Skipped pages stay until LRU eviction takes them.
 
 Host bookkeeping only; the scheduler calls it under its lock.
 """

@@ -108,18 +108,25 @@ def test_recompute_update_between_turns_drops_the_cache(models, reference):
 
 def test_keep_update_between_turns_reuses_older_pages_with_exact_provenance(models,
                                                                              reference):
-    """'keep': turn 2 after an update maps turn 1's pages, written by version 0: its tokens
-    report version 1, kv_version 0, and their log-probs are a forward whose K/V below the
-    mapped pages came from version 0 and the rest from version 1 (a per-position replay),
-    not version 1's full forward (what the engine without reuse computes)."""
+    """'keep' with prefix_cache_max_lag=1: turn 2 after an update maps turn 1's pages,
+    written by version 0: its tokens report version 1, kv_version 0, and their log-probs are
+    a forward whose K/V below the mapped pages came from version 0 and the rest from version
+    1 (a per-position replay), not version 1's full forward (what the engine without reuse
+    computes). With the default max lag 0, turn 2 reuses nothing and equals no reuse."""
     def update(eng, k):
         if k == 1:
             eng.update_weights(models[1], 1)
 
     off, _ = _episodes(make_engine(models[0], prefix_cache=False, **PAGED), turns=2,
                        between=update, top_p=1.0)
-    eng = make_engine(models[0], **PAGED)
+    fresh = make_engine(models[0], **PAGED)  # prefix_cache_max_lag 0: too old to reuse
+    same, prefilled = _episodes(fresh, turns=2, between=update, top_p=1.0)
+    _assert_same(off, same)
+    assert fresh.stats()["prefix_cache_hits"] == 0
+    assert prefilled[1] == sum(len(same[(e, 1)].prompt_ids) for e in range(3))
+    eng = make_engine(models[0], prefix_cache_max_lag=1, **PAGED)
     on, _ = _episodes(eng, turns=2, between=update, top_p=1.0)
+    assert eng.stats()["prefix_cache_hits"] == 3
     for e in range(3):
         c, prev = on[(e, 1)], on[(e, 0)]
         assert (c.version == 1).all() and (c.kv_version == 0).all()
@@ -244,3 +251,9 @@ def test_prefix_cache_config_key_is_validated():
         validate_engine_config(cfg)
     cfg["prefix_cache"] = False
     validate_engine_config(cfg)
+    for bad in (-1, 1.5):
+        with pytest.raises(ConfigError, match=r"^engine\.prefix_cache_max_lag:"):
+            validate_engine_config({**cfg, "prefix_cache_max_lag": bad})
+    with pytest.raises(ConfigError, match=r"^engine\.prefix_cache_max_lag:.*keep"):
+        validate_engine_config({**cfg, "prefix_cache_max_lag": 2, "kv_policy": "recompute"})
+    validate_engine_config({**cfg, "prefix_cache_max_lag": 2})
