@@ -264,6 +264,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--episodes", type=int, default=32, help="multiturn scenario")
     ap.add_argument("--turns", type=int, default=4, help="multiturn scenario")
+    ap.add_argument("--only-multiturn", action="store_true",
+                    help="run the multiturn scenario alone")
     ap.add_argument("--smoke", action="store_true",
                     help="16 sequences (more than the paged rows: some chunks run while "
                          "samples wait), 2 dense slots / 8 paged rows, prefill batches 1-2, "
@@ -290,6 +292,8 @@ def main():
     }
     if args.smoke:
         scenarios = {k: scenarios[k] for k in ("sampler_bound", "groups_n8")}
+    if args.only_multiturn:
+        scenarios = {}
     results = {}
     for name, reqs in scenarios.items():
         results[name] = compare(model, reqs, args)
@@ -297,7 +301,7 @@ def main():
     results["multiturn"] = compare_multiturn(
         model, multiturn_workload(args.episodes, args.turns, args.seed, v), args)
     print("multiturn", json.dumps(results["multiturn"]), flush=True)
-    main_ = results["sampler_bound"]
+    main_ = results.get("sampler_bound", {"paged": {}})
     result = {
         "bench": "paged_kv",
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, load {os.getloadavg()[0]:.1f}",
@@ -306,13 +310,14 @@ def main():
                                                  "float32"),
         "kv_tokens": args.dense_slots * MAX_SEQ_LEN,
         "page_size": args.page_size,
-        "active_ratio_vs_dense": main_["active_ratio_vs_dense"],
-        "p50_active_ratio_vs_dense": main_["p50_active_ratio_vs_dense"],
-        "active_while_queued_ratio_vs_dense": main_["active_while_queued_ratio_vs_dense"],
-        "tokens_per_s_ratio_vs_dense": main_["tokens_per_s_ratio_vs_dense"],
-        "greedy_tokens_identical": main_["tokens_identical"],
-        "preemptions_per_1000": main_["paged"]["preemptions_per_1000"],
-        "prefills_per_group": results["groups_n8"]["paged"]["prefills_per_group"],
+        "active_ratio_vs_dense": main_.get("active_ratio_vs_dense"),
+        "p50_active_ratio_vs_dense": main_.get("p50_active_ratio_vs_dense"),
+        "active_while_queued_ratio_vs_dense": main_.get("active_while_queued_ratio_vs_dense"),
+        "tokens_per_s_ratio_vs_dense": main_.get("tokens_per_s_ratio_vs_dense"),
+        "greedy_tokens_identical": main_.get("tokens_identical"),
+        "preemptions_per_1000": main_["paged"].get("preemptions_per_1000"),
+        "prefills_per_group": results.get("groups_n8", {}).get("paged", {}).get(
+            "prefills_per_group"),
         "prefills_per_group_n16": results.get("groups_n16", {}).get("paged", {}).get(
             "prefills_per_group"),
         "talk_tail_active_ratio_vs_dense": results.get("talk_tail", {}).get(

@@ -17,7 +17,11 @@ One step (a background thread calls it in a loop, or a test calls it):
      never starved by short ones. Admitted samples are prefilled together (grouped by
      length, padded to a prompt-length bucket). Paged, `n > 1`: the samples of a request
      share their prompt's pages and one prefill of it (`prompt_share.py`; admission counts
-     the shared pages once);
+     the shared pages once). Paged, prefix reuse (`prefix_cache.py`): a sample whose
+     sequence starts with pages written already — a finished sample's retained pages (the
+     previous turn of a multi-turn episode), or its group's live prompt for a preempted
+     sample of a group — maps them and prefills only the rest over them (`extend`);
+     retained pages count as free and are evicted before anything is refused or preempted;
   3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
      ending early, while samples are queued, once `refill_threshold` slots have finished
      (their slots are refilled by the next step's batched prefill). Paged layout: before the
