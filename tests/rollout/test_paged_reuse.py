@@ -257,3 +257,16 @@ def test_prefix_cache_config_key_is_validated():
     with pytest.raises(ConfigError, match=r"^engine\.prefix_cache_max_lag:.*keep"):
         validate_engine_config({**cfg, "prefix_cache_max_lag": 2, "kv_policy": "recompute"})
     validate_engine_config({**cfg, "prefix_cache_max_lag": 2})
+
+
+def test_multi_turn_in_a_tiny_pool_evicts_preempts_and_still_equals_dense(models):
+    """Episodes whose histories outgrow a 10-page pool: retained pages are evicted, samples
+    preempted and readmitted (onto retained pages where they survived); every reference
+    count adds up after each turn and the tokens and log-probs are the dense engine's."""
+    dense, _ = _episodes(make_engine(models[0]), n_episodes=4, sampled=True)
+    eng = make_engine(models[0], kv_budget_tokens=80, **PAGED)
+    paged, _ = _episodes(eng, n_episodes=4, sampled=True)
+    _assert_same(dense, paged)
+    s = eng.stats()
+    assert s["prefix_cache_hits"] > 0 and s["prefix_cache_evictions"] > 0
+    assert s["preemptions"] > 0 and s["kv_pages_free"] == 10
