@@ -383,10 +383,20 @@ class SlotScheduler:
                         slot = free.pop(0)
                     elif shared:  # paged, a group's sample: private pages (+ a new prefix)
                         end = self._chunk_end(s, s.pos)  # (pending: the prompt's last token)
-                        if self._share.need(s, end) + growth > self._pages.available:
+                        creating = self._share.live(s.request.request_id) is None
+                        if creating:  # a new prefix starts with the retained pages of it
+                            reused, reuse_version = self._map_retained(
+                                free[0], s.prompt[:-1], s.pos // self._pages.page_size)
+                            need = self._pages.missing(free[0], end)
+                        else:
+                            need = self._share.need(s, end)
+                        if need + growth > self._pages.available:
+                            if creating:
+                                self._pages.release(free[0])
                             break
                         slot = free.pop(0)
-                        prefix, created, copy = self._share.admit(s, slot, self._version)
+                        prefix, created, copy = self._share.admit(
+                            s, slot, min(self._version, reuse_version))
                         growth += self._pages.missing(slot, end)
                     else:  # paged: the prompt (and tokens so far) + first chunk + reserve,
                         # less the pages it maps: a retained prefix or its group's prompt
@@ -406,10 +416,12 @@ class SlotScheduler:
                     if shared:  # its oldest K/V is the prefix's, whenever that was written
                         s.kv_version = prefix.version
                         starts.append((s, slot, copy))
-                        if created and s.pos:  # the group's one prompt prefill (no token)
-                            batch.append((None, slot, s.prompt[:-1], 0))
+                        if created and s.pos > reused:  # the group's one prompt prefill
+                            batch.append((None, slot, s.prompt[:-1], reused))  # (no token)
                         self._stats.add(prompt_prefills=int(created and s.pos > 0),
-                                        shared_admissions=int(not created))
+                                        shared_admissions=int(not created),
+                                        prefix_cache_hits=int(reused > 0),
+                                        reused_tokens=reused)
                         continue
                     # every K/V it attends to is written now, but for the pages it maps
                     s.kv_version = min(self._version, reuse_version)
@@ -426,8 +438,8 @@ class SlotScheduler:
         written already: its group's shared prompt (a preempted sample of a group whose
         prefix is live) or the longest retained prefix (`prefix_cache.py`), whichever
         covers more, never `seq`'s last token; only pages written at most `reuse_max_lag`
-        versions before the live one (under 'recompute': the live version's). Returns (positions mapped, the oldest version that wrote them; the live version
-        when none)."""
+        versions before the live one (under 'recompute': the live version's). Returns
+        (positions mapped, the oldest version that wrote them; the live version when none)."""
         if self._pages is None:
             return 0, self._version
         c, limit = self._pages.page_size, (len(seq) - 1) // self._pages.page_size
@@ -441,10 +453,22 @@ class SlotScheduler:
         if group and group == len(prefix.full) and group >= len(nodes):
             self._share.rejoin(s, slot)
             return group * c, min(prefix.version, self._version)
-        if nodes:
-            self._pages.share(slot, [n.page for n in nodes])
-            return len(nodes) * c, min(min_version(nodes), self._version)
-        return 0, self._version
+        return self._hold(slot, nodes)
+
+    def _map_retained(self, slot: int, tokens, max_pages: int) -> tuple:  # holds _cv
+        """Maps into free `slot` the longest retained path (at most `max_pages` pages) that
+        `tokens` start with, within the version cap; (positions mapped, their oldest
+        writer's version, or the live version when none)."""
+        if self._retained is None or max_pages < 1:
+            return 0, self._version
+        return self._hold(slot, self._retained.match(
+            tokens, max_pages, self._version - self._reuse_max_lag))
+
+    def _hold(self, slot: int, nodes) -> tuple:  # holds _cv
+        if not nodes:
+            return 0, self._version
+        self._pages.share(slot, [n.page for n in nodes])
+        return len(nodes) * self._pages.page_size, min(min_version(nodes), self._version)
 
     def _unmap(self, s: Sample, slot: int) -> None:  # holds _cv
         """Undoes `_map_reusable` (the sample was not admitted after all)."""

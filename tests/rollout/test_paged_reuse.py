@@ -270,3 +270,30 @@ def test_multi_turn_in_a_tiny_pool_evicts_preempts_and_still_equals_dense(models
     s = eng.stats()
     assert s["prefix_cache_hits"] > 0 and s["prefix_cache_evictions"] > 0
     assert s["preemptions"] > 0 and s["kv_pages_free"] == 10
+
+
+def test_a_group_prompt_seen_before_maps_its_retained_pages(models):
+    """A group (n = 4) whose prompt an earlier, finished group had: the new group's prefix
+    maps the retained full pages and prefills only its partial page (nothing when the
+    prefix ends on a page boundary), with the dense engine's tokens and log-probs."""
+    reqs = []
+    for g, length in enumerate([21, 17]):  # prefixes of 20 (2 full pages + 4) and 16 (2)
+        prompt = _tokens(length, 60 + g)
+        for rep in range(2):
+            reqs.append(request(f"g{g}r{rep}", prompt, max_new_tokens=10, n=4, seed=rep,
+                                temperature=1.0))
+    dense, paged = make_engine(models[0]), make_engine(models[0], max_slots=8, **PAGED)
+    for r in reqs:  # one group at a time: the second of each prompt finds the first's pages
+        a = {c.sample_index: c for c in (dense.submit(r) or run_until(dense, 4))}
+        before = paged.stats()["prefill_tokens"]
+        b = {c.sample_index: c for c in (paged.submit(r) or run_until(paged, 4))}
+        _check_refcounts(paged)
+        pre = len(r.prompt_ids) - 1
+        again = r.request_id.endswith("r1")
+        assert paged.stats()["prefill_tokens"] - before == (pre % C if again else pre)
+        for i in range(4):
+            np.testing.assert_array_equal(b[i].token_ids, a[i].token_ids)
+            np.testing.assert_allclose(b[i].logp_behaviour, a[i].logp_behaviour, atol=1e-5)
+    s = paged.stats()
+    assert s["prefix_cache_hits"] == 2 and s["reused_tokens"] == 32
+    assert s["prompt_prefills"] == 4  # one per group, as before (a mapped one counts)
