@@ -56,7 +56,7 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
                                            check_version_order, completion_from_chunks,
                                            has_ready, take_ready)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
-from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
+from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from pipelinerl_jax.rollout.prefix_cache import PrefixCache, full_pages_written, min_version
 from pipelinerl_jax.rollout.prompt_share import PromptShare, shares
 from pipelinerl_jax.rollout.sampling import RowParams

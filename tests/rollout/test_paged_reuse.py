@@ -106,8 +106,7 @@ def test_recompute_update_between_turns_drops_the_cache(models, reference):
             models[min(k, 1)], c.prompt_ids, c.token_ids), atol=1e-4)
 
 
-def test_keep_update_between_turns_reuses_older_pages_with_exact_provenance(models,
-                                                                             reference):
+def test_keep_update_between_turns_reuses_older_pages_with_exact_provenance(models):
     """'keep' with prefix_cache_max_lag=1: turn 2 after an update maps turn 1's pages,
     written by version 0: its tokens report version 1, kv_version 0, and their log-probs are
     a forward whose K/V below the mapped pages came from version 0 and the rest from version
