@@ -23,6 +23,15 @@ Scenarios (each run by a dense and a paged engine, side by side in one process):
   group differ). Figure: prompt prefills per group (`stats()['prompt_prefills']` / groups;
   the dense engine prefills every sample's prompt, n per group; the paged one shares the
   prompt's pages: goal 1.0).
+* `multiturn`: multi-turn episodes as `envs/runner.py` runs them (each turn a new request
+  whose prompt is the whole history: previous prompt + completion + 8 environment tokens),
+  `--episodes` episodes (32; 16 with --quick) of `--turns` turns, a first prompt of 16-32 random
+  tokens, answers of sampler-bound lengths capped at 40, greedy; every episode's turn k is
+  submitted when turn k - 1 of all of them has finished. Run by the paged engine with
+  `prefix_cache` on and off (same pool) and the dense engine. Figure: prefill tokens per
+  episode with vs without reuse (`multiturn_prefill_ratio`, hardware independent; turn k
+  maps the full pages turn k - 1 wrote, so only the new tokens and the last partial page
+  are prefilled, unless eviction took the pages), and tokens identical across the three.
 
 Both engines get the same KV bytes: the dense engine's cache of `--dense-slots` x
 `max_seq_len` (256) tokens; the paged engine a pool of the same number of tokens
@@ -37,8 +46,8 @@ the final tail drains; hardware independent), tokens/s (wall clock, side by side
 process), prompt prefills per group, preemptions per 1,000 sequences, and whether the paged
 engine's tokens equal the dense engine's. Prints one JSON line at the end: the
 sampler-bound ratios at the top level (`active_ratio_vs_dense`,
-`tokens_per_s_ratio_vs_dense`, ...), `prefills_per_group` (n = 8, paged), and every
-scenario in full.
+`tokens_per_s_ratio_vs_dense`, ...), `prefills_per_group` (n = 8, paged),
+`multiturn_prefill_ratio`, and every scenario in full.
 """
 from __future__ import annotations
 
@@ -103,6 +112,73 @@ def talk_workload(n: int, seed: int, vocab: int):
         reqs.append(GenerationRequest(f"t{i}", prompt, SamplingParams(
             max_new_tokens=int(length), temperature=0.0, seed=i)))
     return reqs
+
+
+def multiturn_workload(episodes: int, turns: int, seed: int, vocab: int):
+    """Per episode: its first prompt, and per turn its answer length and the environment's
+    8 tokens that follow the answer (module docstring)."""
+    t = sampler_bound.get_config().task
+    task = SyntheticStringTask("reverse", t.median_length, t.p99_length, t.min_length,
+                               t.max_length)
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(1, vocab, int(rng.integers(16, 33))).astype(np.int32),
+             [(min(task.sample_length(rng), 40), rng.integers(1, vocab, 8).astype(np.int32))
+              for _ in range(turns)]) for _ in range(episodes)]
+
+
+def run_multiturn(model, config: dict, episodes):
+    """Runs the episodes turn by turn on one engine; returns its figures and every turn's
+    tokens."""
+    eng = JaxEngine(model, config)
+    eng.warmup()
+    history = [first for first, _ in episodes]
+    tokens, t0 = {}, time.perf_counter()
+    for k in range(len(episodes[0][1])):
+        eng.submit_batch([GenerationRequest(f"e{e}/t{k}", history[e], SamplingParams(
+            max_new_tokens=turns[k][0], temperature=0.0, seed=e))
+            for e, (_, turns) in enumerate(episodes)])
+        done = []
+        while len(done) < len(episodes):
+            eng.step()
+            done += eng.get_completions()
+        for c in done:
+            e = int(c.request_id[1:c.request_id.index("/")])
+            tokens[c.request_id] = c.token_ids
+            history[e] = np.concatenate([history[e], c.token_ids, episodes[e][1][k][1]])
+    wall = time.perf_counter() - t0
+    s = eng.stats()
+    eng.close()
+    return {"prefill_tokens": int(s["prefill_tokens"]),
+            "prefill_tokens_per_episode": s["prefill_tokens"] / len(episodes),
+            "prefix_cache_hits": int(s.get("prefix_cache_hits", 0)),
+            "reused_tokens": int(s.get("reused_tokens", 0)),
+            "prefix_cache_evictions": int(s.get("prefix_cache_evictions", 0)),
+            "preemptions": int(s["preemptions"]),
+            "generated_tokens": int(s["generated_tokens"]),
+            "wall_s": round(wall, 3)}, tokens
+
+
+def compare_multiturn(model, episodes, args) -> dict:
+    """Paged with and without prefix reuse (same pool), and dense, at the same KV bytes."""
+    common = {**dict(max_seq_len=MAX_SEQ_LEN, max_prefill_batch=16, steps_per_sync=16),
+              **args.engine_overrides}
+    paged = {**common, "max_slots": args.paged_slots, "kv_layout": "paged",
+             "page_size": args.page_size, "kv_budget_tokens": args.dense_slots * MAX_SEQ_LEN}
+    reuse, reuse_tokens = run_multiturn(model, paged, episodes)
+    plain, plain_tokens = run_multiturn(model, {**paged, "prefix_cache": False}, episodes)
+    dense, dense_tokens = run_multiturn(model, {**common, "max_slots": args.dense_slots},
+                                        episodes)
+    keys = sorted(dense_tokens)
+    return {
+        "episodes": len(episodes), "turns": len(episodes[0][1]),
+        "reuse": reuse, "no_reuse": plain, "dense": dense,
+        "multiturn_prefill_ratio": reuse["prefill_tokens"] / plain["prefill_tokens"],
+        "tokens_identical_reuse_vs_no_reuse": float(np.mean(
+            [np.array_equal(reuse_tokens[k], plain_tokens[k]) for k in keys])),
+        "tokens_identical_reuse_vs_dense": float(np.mean(
+            [np.array_equal(reuse_tokens[k], dense_tokens[k]) for k in keys])),
+        "wall_ratio_reuse_vs_no_reuse": reuse["wall_s"] / plain["wall_s"],
+    }
 
 
 def run(model, config: dict, reqs):
@@ -186,14 +262,21 @@ def main():
     ap.add_argument("--paged-slots", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--episodes", type=int, default=32, help="multiturn scenario")
+    ap.add_argument("--turns", type=int, default=4, help="multiturn scenario")
+    ap.add_argument("--only-multiturn", action="store_true",
+                    help="run the multiturn scenario alone")
     ap.add_argument("--smoke", action="store_true",
                     help="16 sequences (more than the paged rows: some chunks run while "
                          "samples wait), 2 dense slots / 8 paged rows, prefill batches 1-2, "
-                         "one bucket each; the sampler-bound and n = 8 scenarios only "
-                         "(device_check --cpu)")
+                         "one bucket each; the sampler-bound and n = 8 scenarios and 4 "
+                         "episodes of 3 turns (device_check --cpu)")
     args = ap.parse_args()
     if args.smoke:
         args.sequences, args.dense_slots, args.paged_slots = 16, 2, 8
+        args.episodes, args.turns = 4, 3
+    elif args.quick:
+        args.episodes = 16
     args.engine_overrides = dict(max_prefill_batch=2, prefill_buckets=(MAX_SEQ_LEN,),
                                  cache_buckets=(MAX_SEQ_LEN,)) if args.smoke else {}
     n = 128 if args.quick else args.sequences
@@ -209,11 +292,16 @@ def main():
     }
     if args.smoke:
         scenarios = {k: scenarios[k] for k in ("sampler_bound", "groups_n8")}
+    if args.only_multiturn:
+        scenarios = {}
     results = {}
     for name, reqs in scenarios.items():
         results[name] = compare(model, reqs, args)
         print(name, json.dumps(results[name]), flush=True)
-    main_ = results["sampler_bound"]
+    results["multiturn"] = compare_multiturn(
+        model, multiturn_workload(args.episodes, args.turns, args.seed, v), args)
+    print("multiturn", json.dumps(results["multiturn"]), flush=True)
+    main_ = results.get("sampler_bound", {"paged": {}})
     result = {
         "bench": "paged_kv",
         "machine": f"{platform.machine()} {os.cpu_count()} cpu, load {os.getloadavg()[0]:.1f}",
@@ -222,19 +310,24 @@ def main():
                                                  "float32"),
         "kv_tokens": args.dense_slots * MAX_SEQ_LEN,
         "page_size": args.page_size,
-        "active_ratio_vs_dense": main_["active_ratio_vs_dense"],
-        "p50_active_ratio_vs_dense": main_["p50_active_ratio_vs_dense"],
-        "active_while_queued_ratio_vs_dense": main_["active_while_queued_ratio_vs_dense"],
-        "tokens_per_s_ratio_vs_dense": main_["tokens_per_s_ratio_vs_dense"],
-        "greedy_tokens_identical": main_["tokens_identical"],
-        "preemptions_per_1000": main_["paged"]["preemptions_per_1000"],
-        "prefills_per_group": results["groups_n8"]["paged"]["prefills_per_group"],
+        "active_ratio_vs_dense": main_.get("active_ratio_vs_dense"),
+        "p50_active_ratio_vs_dense": main_.get("p50_active_ratio_vs_dense"),
+        "active_while_queued_ratio_vs_dense": main_.get("active_while_queued_ratio_vs_dense"),
+        "tokens_per_s_ratio_vs_dense": main_.get("tokens_per_s_ratio_vs_dense"),
+        "greedy_tokens_identical": main_.get("tokens_identical"),
+        "preemptions_per_1000": main_["paged"].get("preemptions_per_1000"),
+        "prefills_per_group": results.get("groups_n8", {}).get("paged", {}).get(
+            "prefills_per_group"),
         "prefills_per_group_n16": results.get("groups_n16", {}).get("paged", {}).get(
             "prefills_per_group"),
         "talk_tail_active_ratio_vs_dense": results.get("talk_tail", {}).get(
             "active_ratio_vs_dense"),
         "talk_tail_tokens_per_s_ratio_vs_dense": results.get("talk_tail", {}).get(
             "tokens_per_s_ratio_vs_dense"),
+        "multiturn_prefill_ratio": results["multiturn"]["multiturn_prefill_ratio"],
+        "multiturn_tokens_identical": min(
+            results["multiturn"]["tokens_identical_reuse_vs_no_reuse"],
+            results["multiturn"]["tokens_identical_reuse_vs_dense"]),
         "scenarios": results,
     }
     print(json.dumps(result))

@@ -299,7 +299,8 @@ def part_paged(r: Runner) -> dict:
     if "error" in res:
         out["error"] = res["error"]
     for k in ("sequences", "kv_tokens", "active_ratio_vs_dense", "p50_active_ratio_vs_dense",
-              "tokens_per_s_ratio_vs_dense", "greedy_tokens_identical", "prefills_per_group"):
+              "tokens_per_s_ratio_vs_dense", "greedy_tokens_identical", "prefills_per_group",
+              "multiturn_prefill_ratio", "multiturn_tokens_identical"):
         if k in data:
             out[k] = data[k]
     main = data.get("scenarios", {}).get("sampler_bound", {})

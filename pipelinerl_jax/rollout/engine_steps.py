@@ -32,7 +32,13 @@ lowest slots (`permute` moves slot state; their K/V stays in its pages, only the
 row moves), so a long tail of few samples does not pay for every slot. `start` begins
 the samples of a group on their shared prompt prefix (`rollout/prompt_share.py`): it copies
 each one's copy-on-write page and sets its slot state (pending token = the prompt's last
-token), with no prefill of its own.
+token), with no prefill of its own. `extend(params, cache, slots, ids, starts, lengths,
+slot_idx, rows, tables)` is a prefill over existing pages: row b's tokens are positions
+`[starts[b], starts[b] + lengths[b])` of a sequence whose K/V before `starts[b]` are already
+in the pages its table lists (a retained prefix, `rollout/prefix_cache.py`, or its group's
+shared prompt); the model's paged cached forward writes the new positions' K/V into its
+pages and attends over the whole table (the reference paged attention, not a Pallas kernel),
+then samples the token after the last one as `prefill` does.
 
 Shapes are static per (prefill batch bucket, prompt-length bucket) and per cache-length
 bucket, so steady-state serving compiles nothing new. The compiled programs are cached per
@@ -82,6 +88,9 @@ class StepFns(NamedTuple):
     # start(cache, slots, src, dst, slot_idx, token, pos, rows): shared-prompt samples start
     # (paged: copy-on-write page copies, then pending token / position / rows per slot)
     start: callable
+    # extend(params, cache, slots, ids, starts, lengths, slot_idx, rows, tables): paged only,
+    # a prefill of positions [start, start + length) over pages holding [0, start)
+    extend: callable = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,6 +127,30 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         def scatter(dst, src):
             return dst.at[slot_idx_b].set(src, mode="drop")
         slots = SlotState(token=scatter(slots.token, token_b), pos=scatter(slots.pos, lengths_b),
+                          active=scatter(slots.active, ~done_b),
+                          rows=jax.tree.map(scatter, slots.rows, rows))
+        return cache, slots, (token_b, logp_b, done_b)
+
+    def extend(params, cache, slots: SlotState, ids_bt, starts_b, lengths_b, slot_idx_b,
+               rows: RowParams, tables_bn):
+        """`prefill` of positions `starts_b + [0, T)` over the pages in `tables_bn` (which
+        hold each row's K/V below `starts_b`): the paged cached forward writes the new K/V
+        and attends to the old; the token after position `starts_b + lengths_b - 1` is
+        sampled (module docstring)."""
+        model = nnx.merge(graphdef, params)
+        b, t = ids_bt.shape
+        positions = starts_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        h_btd, paged = model.hidden_states(ids_bt, positions,
+                                           cache._replace(page_table=tables_bn))
+        cache = cache._replace(k=paged.k, v=paged.v)
+        logits_bv = model.logits_from_hidden(h_btd[jnp.arange(b), lengths_b - 1])
+        ends_b = starts_b + lengths_b
+        token_b, logp_b = sample(logits_bv, rows, ends_b, logprob_mode)
+        done_b = is_stop(token_b, rows.stop_ids) | (ends_b + 1 >= rows.limit)
+
+        def scatter(dst, src):
+            return dst.at[slot_idx_b].set(src, mode="drop")
+        slots = SlotState(token=scatter(slots.token, token_b), pos=scatter(slots.pos, ends_b),
                           active=scatter(slots.active, ~done_b),
                           rows=jax.tree.map(scatter, slots.rows, rows))
         return cache, slots, (token_b, logp_b, done_b)
@@ -196,4 +229,6 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
                        out_shardings=out),
         release=jax.jit(release, donate_argnums=(0,), out_shardings=replicated),
         permute=jax.jit(permute, donate_argnums=(0,), out_shardings=replicated),
-        start=jax.jit(start, donate_argnums=(0, 1), out_shardings=(cache_sharding, replicated)))
+        start=jax.jit(start, donate_argnums=(0, 1), out_shardings=(cache_sharding, replicated)),
+        extend=(jax.jit(extend, donate_argnums=(1, 2), out_shardings=out) if page_size
+                else None))

@@ -75,6 +75,12 @@ def engine_config() -> ml_collections.ConfigDict:
     # paged only: size the pool to this share of the device memory the weights leave free
     # (instead of kv_budget_tokens); 0 = off
     c.kv_memory_fraction = 0.0
+    # paged only: keep finished samples' full KV pages (evicted first when pages run short)
+    # and map them into later requests whose prompts start with their tokens (multi-turn)
+    c.prefix_cache = True
+    # kv_policy='keep': reuse retained pages written at most this many versions before the
+    # live one (0: only the live version's, so reuse never makes a kv_version older)
+    c.prefix_cache_max_lag = 0
     c.prefill_buckets = ()  # prompt-length buckets; () = 16, 32, ... up to max_seq_len
     c.cache_buckets = ()  # attention-length buckets of decode; () = 64, 128, ... max_seq_len
     c.max_prefill_batch = 4  # prompts per prefill call (batch buckets: powers of two up to it)
@@ -132,6 +138,14 @@ def validate_engine_config(cfg, prefix: str = "engine") -> None:
     if fraction > 0 and cfg["kv_budget_tokens"]:
         raise cfg_lib.ConfigError(k("kv_memory_fraction"), f"and {k('kv_budget_tokens')} "
                                   "both size the page pool: set one")
+    if not isinstance(cfg["prefix_cache"], bool):
+        raise cfg_lib.ConfigError(k("prefix_cache"), f"must be True or False, got "
+                                  f"{cfg['prefix_cache']!r}")
+    cfg_lib.positive_int(root, k("prefix_cache_max_lag"), allow_zero=True)
+    if cfg["prefix_cache_max_lag"] and cfg["kv_policy"] == "recompute":
+        raise cfg_lib.ConfigError(k("prefix_cache_max_lag"), "only with "
+                                  f"{k('kv_policy')}='keep' ('recompute' reuses only the "
+                                  "live version's pages)")
     cfg_lib.one_of(root, k("logprob_mode"), LOGPROB_MODES)
     cfg_lib.one_of(root, k("dtype"), DTYPES)
 
@@ -238,7 +252,8 @@ class JaxEngine(InferenceEngine):
             steps=cfg.steps_per_sync,
             refill=cfg.refill_threshold or max(1, cfg.max_slots // 8),
             max_stops=cfg.max_stop_tokens, kv_policy=cfg.kv_policy, seed=cfg.seed,
-            version=int(version), engine_id=engine_id, pages=self.pages)
+            version=int(version), engine_id=engine_id, pages=self.pages,
+            prefix_cache=bool(cfg.prefix_cache), reuse_max_lag=cfg.prefix_cache_max_lag)
         self.prefill_buckets = self.scheduler.prefill_buckets
         self.cache_buckets = self.scheduler.cache_buckets
         self.batch_buckets = self.scheduler.batch_buckets

@@ -17,7 +17,11 @@ One step (a background thread calls it in a loop, or a test calls it):
      never starved by short ones. Admitted samples are prefilled together (grouped by
      length, padded to a prompt-length bucket). Paged, `n > 1`: the samples of a request
      share their prompt's pages and one prefill of it (`prompt_share.py`; admission counts
-     the shared pages once);
+     the shared pages once). Paged, prefix reuse (`prefix_cache.py`): a sample whose
+     sequence starts with pages written already — a finished sample's retained pages (the
+     previous turn of a multi-turn episode), or its group's live prompt for a preempted
+     sample of a group — maps them and prefills only the rest over them (`extend`);
+     retained pages count as free and are evicted before anything is refused or preempted;
   3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
      ending early, while samples are queued, once `refill_threshold` slots have finished
      (their slots are refilled by the next step's batched prefill). Paged layout: before the
@@ -52,7 +56,8 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
                                            check_version_order, completion_from_chunks,
                                            has_ready, take_ready)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
-from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
+from pipelinerl_jax.rollout.page_allocator import PageAllocator
+from pipelinerl_jax.rollout.prefix_cache import PrefixCache, full_pages_written, min_version
 from pipelinerl_jax.rollout.prompt_share import PromptShare, shares
 from pipelinerl_jax.rollout.sampling import RowParams
 from pipelinerl_jax.types import Completion, GenerationRequest
@@ -101,14 +106,17 @@ class SlotScheduler:
     bucket tuples, `steps` (decode steps per chunk), `refill` (refill threshold),
     `max_stops`, `kv_policy`, `seed` (of unseeded requests' seeds). `pages`: the paged
     layout's allocator (then `cache` holds page pools and `kv_budget` is unused), None for
-    the dense layout.
+    the dense layout. `prefix_cache` (paged only): keep finished samples' full pages for
+    reuse by later requests whose prompts start with their tokens (`prefix_cache.py`);
+    `reuse_max_lag`: how many versions older than the live one reused pages may be (keep).
     """
 
     def __init__(self, fns, params, cache, slots_dev, *, num_slots: int, max_seq_len: int,
                  kv_budget: int, prefill_buckets: tuple, cache_buckets: tuple,
                  batch_buckets: tuple, steps: int, refill: int, max_stops: int,
                  kv_policy: str, seed: int, version: int, engine_id: str,
-                 pages: Optional[PageAllocator] = None):
+                 pages: Optional[PageAllocator] = None, prefix_cache: bool = False,
+                 reuse_max_lag: int = 0):
         self.num_slots, self.max_seq_len, self.kv_budget = num_slots, max_seq_len, kv_budget
         self.prefill_buckets, self.cache_buckets = prefill_buckets, cache_buckets
         self.batch_buckets = batch_buckets
@@ -135,6 +143,9 @@ class SlotScheduler:
         self._pages = pages
         # paged: the n samples of a request share their prompt's pages (one prefill per group)
         self._share = PromptShare(pages) if pages is not None else None
+        # paged: finished samples' full pages, reused by prompts that start with their tokens
+        self._retained = PrefixCache(pages) if pages is not None and prefix_cache else None
+        self._reuse_max_lag = 0 if kv_policy == "recompute" else int(reuse_max_lag)
         self._submitted = 0
         # paged: decode runs over the first `rows` slots, running samples packed there
         self.row_buckets = (buckets((), 8, num_slots) if pages is not None else (num_slots,))
@@ -279,6 +290,9 @@ class SlotScheduler:
             self._version = version
             self._stats.add(updates_applied=1)
         if self._kv_policy == "recompute":
+            if self._retained is not None:  # only the live version's K/V may be reused
+                with self._cv:
+                    self._retained.clear()
             if self._pages is not None:  # the re-prefill writes the pending token's K/V too
                 for i in self._by_age():
                     s = self._slots[i]
@@ -288,7 +302,7 @@ class SlotScheduler:
             for s in running:
                 s.kv_version = version
             # (a page shared by a group is written by one of its re-prefill rows: `_prefill`)
-            self._prefill([(s, self._slots.index(s), s.sequence()) for s in running])
+            self._prefill([(s, self._slots.index(s), s.sequence(), 0) for s in running])
             if self._share is not None:
                 self._share.restamp(version)
         with self._cv:
@@ -359,6 +373,9 @@ class SlotScheduler:
                 while self._queue and free:
                     s = self._queue[0]
                     shared = self._share is not None and shares(s)
+                    # (a preempted sample re-prefills what it generated, its pending token too)
+                    seq = s.sequence() if s.n_generated else s.prompt
+                    reused, reuse_version = 0, self._version  # positions mapped, their writer
                     if self._pages is None:  # dense: reserve the whole lifetime up front
                         if self._reserved + s.limit > self.kv_budget:
                             break
@@ -366,19 +383,32 @@ class SlotScheduler:
                         slot = free.pop(0)
                     elif shared:  # paged, a group's sample: private pages (+ a new prefix)
                         end = self._chunk_end(s, s.pos)  # (pending: the prompt's last token)
-                        if self._share.need(s, end) + growth > self._pages.free_pages:
+                        creating = self._share.live(s.request.request_id) is None
+                        if creating:  # a new prefix starts with the retained pages of it
+                            reused, reuse_version = self._map_retained(
+                                free[0], s.prompt[:-1], s.pos // self._pages.page_size)
+                            need = self._pages.missing(free[0], end)
+                        else:
+                            need = self._share.need(s, end)
+                        if need + growth > self._pages.available:
+                            if creating:
+                                self._pages.release(free[0])
                             break
                         slot = free.pop(0)
-                        prefix, created, copy = self._share.admit(s, slot, self._version)
+                        prefix, created, copy = self._share.admit(
+                            s, slot, min(self._version, reuse_version))
                         growth += self._pages.missing(slot, end)
-                    else:  # paged: the prompt (and tokens so far) + first chunk + reserve
-                        length = len(s.prompt) + s.n_generated
-                        need = pages_for(self._chunk_end(s, length), self._pages.page_size)
-                        if need + growth > self._pages.free_pages:
+                    else:  # paged: the prompt (and tokens so far) + first chunk + reserve,
+                        # less the pages it maps: a retained prefix or its group's prompt
+                        reused, reuse_version = self._map_reusable(s, free[0], seq)
+                        end = self._chunk_end(s, len(seq))
+                        if self._pages.missing(free[0], end) + growth > self._pages.available:
+                            self._unmap(s, free[0])
                             break
                         slot = free.pop(0)
-                        self._pages.grow(slot, length)
-                        growth += self._pages.missing(slot, self._chunk_end(s, length))
+                        self._pages.grow(slot, len(seq))
+                        self._share.settle(s, self._pages.pages(slot))
+                        growth += self._pages.missing(slot, end)
                     self._queue.popleft()
                     self._slots[slot] = s
                     if s.start_version < 0:  # (a preempted sample keeps its first start)
@@ -386,19 +416,65 @@ class SlotScheduler:
                     if shared:  # its oldest K/V is the prefix's, whenever that was written
                         s.kv_version = prefix.version
                         starts.append((s, slot, copy))
-                        if created and s.pos:  # the group's one prompt prefill (no token)
-                            batch.append((None, slot, s.prompt[:-1]))
+                        if created and s.pos > reused:  # the group's one prompt prefill
+                            batch.append((None, slot, s.prompt[:-1], reused))  # (no token)
                         self._stats.add(prompt_prefills=int(created and s.pos > 0),
-                                        shared_admissions=int(not created))
+                                        shared_admissions=int(not created),
+                                        prefix_cache_hits=int(reused > 0),
+                                        reused_tokens=reused)
                         continue
-                    s.kv_version = self._version  # every K/V it attends to is written now
-                    # a preempted sample re-prefills what it generated (its pending token too)
-                    batch.append((s, slot, s.sequence() if s.n_generated else s.prompt))
-                    self._stats.add(prompt_prefills=int(s.n_generated == 0))
+                    # every K/V it attends to is written now, but for the pages it maps
+                    s.kv_version = min(self._version, reuse_version)
+                    batch.append((s, slot, seq, reused))
+                    self._stats.add(prompt_prefills=int(s.n_generated == 0),
+                                    prefix_cache_hits=int(reused > 0), reused_tokens=reused)
             if not batch and not starts:
                 return produced
             produced += self._prefill(batch)
             self._start_shared(starts)
+
+    def _map_reusable(self, s: Sample, slot: int, seq) -> tuple:  # holds _cv
+        """Maps into free `slot` the pages of `seq`'s first positions that some holder has
+        written already: its group's shared prompt (a preempted sample of a group whose
+        prefix is live) or the longest retained prefix (`prefix_cache.py`), whichever
+        covers more, never `seq`'s last token; only pages written at most `reuse_max_lag`
+        versions before the live one (under 'recompute': the live version's). Returns
+        (positions mapped, the oldest version that wrote them; the live version when none)."""
+        if self._pages is None:
+            return 0, self._version
+        c, limit = self._pages.page_size, (len(seq) - 1) // self._pages.page_size
+        oldest = self._version - self._reuse_max_lag
+        prefix = self._share.live(s.request.request_id) if s.n_generated else None
+        if prefix is not None and prefix.version < oldest:
+            prefix = None
+        group = min(len(prefix.full), limit) if prefix is not None else 0
+        nodes = (self._retained.match(seq, limit, oldest)
+                 if self._retained is not None else [])
+        if group and group == len(prefix.full) and group >= len(nodes):
+            self._share.rejoin(s, slot)
+            return group * c, min(prefix.version, self._version)
+        return self._hold(slot, nodes)
+
+    def _map_retained(self, slot: int, tokens, max_pages: int) -> tuple:  # holds _cv
+        """Maps into free `slot` the longest retained path (at most `max_pages` pages) that
+        `tokens` start with, within the version cap; (positions mapped, their oldest
+        writer's version, or the live version when none)."""
+        if self._retained is None or max_pages < 1:
+            return 0, self._version
+        return self._hold(slot, self._retained.match(
+            tokens, max_pages, self._version - self._reuse_max_lag))
+
+    def _hold(self, slot: int, nodes) -> tuple:  # holds _cv
+        if not nodes:
+            return 0, self._version
+        self._pages.share(slot, [n.page for n in nodes])
+        return len(nodes) * self._pages.page_size, min(min_version(nodes), self._version)
+
+    def _unmap(self, s: Sample, slot: int) -> None:  # holds _cv
+        """Undoes `_map_reusable` (the sample was not admitted after all)."""
+        if self._pages is not None:
+            self._pages.release(slot)
+            self._share.release(s)
 
     def _start_shared(self, starts) -> None:
         """Starts `(sample, slot, page copy or None)` entries on their group's prefix (its
@@ -487,40 +563,57 @@ class SlotScheduler:
             self._stats.totals["preemptions"] += 1
 
     def _prefill(self, entries) -> int:
-        """Prefills `(sample, slot, token sequence)` entries and records each first token;
-        returns the tokens sampled. Paged: a `None` sample is a group's prompt prefix, written
-        through `slot`'s table with no token sampled; a page several rows hold is written by
-        the first of them only (a 'recompute' re-prefill of a group)."""
-        entries = sorted(entries, key=lambda e: len(e[2]))  # similar lengths share a bucket
+        """Prefills `(sample, slot, token sequence, start)` entries and records each first
+        token; returns the tokens sampled. `start > 0` (paged): the slot's pages hold the
+        K/V of `sequence[:start]` already (mapped, never written here) and only the rest
+        runs, over them (`extend`). Paged: a `None` sample is a group's prompt prefix,
+        written through `slot`'s table with no token sampled; a page several rows of a
+        plain prefill hold is written by the first of them only (a 'recompute' re-prefill
+        of a group)."""
+        plain = [e for e in entries if not e[3]]
+        over = [e for e in entries if e[3]]
+        return self._prefill_rows(plain, False) + self._prefill_rows(over, True)
+
+    def _prefill_rows(self, entries, extend: bool) -> int:
+        entries = sorted(entries, key=lambda e: len(e[2]) - e[3])  # similar lengths batch
         cap = self.batch_buckets[-1]
         written = set()  # pages some row of this call writes already
         produced = 0
-        for start in range(0, len(entries), cap):
-            group = entries[start:start + cap]
+        for first in range(0, len(entries), cap):
+            group = entries[first:first + cap]
             bp = next(b for b in self.batch_buckets if b >= len(group))
-            t = next(b for b in self.prefill_buckets if b >= max(len(e[2]) for e in group))
+            t = next(b for b in self.prefill_buckets
+                     if b >= max(len(e[2]) - e[3] for e in group))
             ids = np.zeros((bp, t), np.int32)
             lengths = np.ones((bp,), np.int32)
+            starts = np.zeros((bp,), np.int32)
             slot_idx = np.full((bp,), self.num_slots, np.int32)  # out of range = padding row
             rows = self._row_params(bp)
-            for j, (s, slot, seq) in enumerate(group):
-                ids[j, :len(seq)] = seq
-                lengths[j] = len(seq)
+            for j, (s, slot, seq, start) in enumerate(group):
+                ids[j, :len(seq) - start] = seq[start:]
+                lengths[j], starts[j] = len(seq) - start, start
                 if s is not None:
                     slot_idx[j] = slot
                     _fill_row(rows, j, s)
-            args = (self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
-                    RowParams(**rows))
             if self._pages is not None:
                 tables = np.full((bp, self._pages.max_pages), self._pages.num_pages, np.int32)
-                for j, (_, slot, _) in enumerate(group):
+                for j, (_, slot, _, _) in enumerate(group):
                     tables[j] = self._pages.tables[slot]
-                    tables[j][np.isin(tables[j], list(written))] = self._pages.num_pages
-                    written.update(self._pages.pages(slot))
-                args += (tables,)
-            self._cache, self._slots_dev, out = self._fns.prefill(*args)
+                    if not extend:  # (extend rows write only their private pages)
+                        tables[j][np.isin(tables[j], list(written))] = self._pages.num_pages
+                        written.update(self._pages.pages(slot))
+            if extend:
+                self._cache, self._slots_dev, out = self._fns.extend(
+                    self._params, self._cache, self._slots_dev, ids, starts, lengths,
+                    slot_idx, RowParams(**rows), tables)
+            else:
+                args = (self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
+                        RowParams(**rows))
+                if self._pages is not None:
+                    args += (tables,)
+                self._cache, self._slots_dev, out = self._fns.prefill(*args)
             token, logp, done = jax.device_get(out)
-            for j, (s, slot, _) in enumerate(group):
+            for j, (s, slot, _, _) in enumerate(group):
                 if s is None:
                     continue
                 self._record(s, token[j:j + 1], logp[j:j + 1])
@@ -528,8 +621,7 @@ class SlotScheduler:
                 if done[j]:
                     self._finish(s, _reason(s))
             with self._cv:
-                self._stats.add(prefill_calls=1, prefill_tokens=int(sum(
-                    len(e[2]) for e in group)))
+                self._stats.add(prefill_calls=1, prefill_tokens=int(lengths[:len(group)].sum()))
         return produced
 
     def _row_params(self, b: int) -> dict:
@@ -601,6 +693,7 @@ class SlotScheduler:
                 if self._pages is None:
                     self._reserved -= s.limit
                 else:
+                    self._retain(s, slot)
                     self._pages.release(slot)
                     self._share.release(s)
             rid = s.request.request_id
@@ -610,6 +703,17 @@ class SlotScheduler:
             self._outbox.append(completion)
             self._stats.totals["completed_samples"] += 1
             self._cv.notify_all()
+
+    def _retain(self, s: Sample, slot: int) -> None:  # holds _cv
+        """Keeps the full pages `slot` has written (every position before the pending
+        token's) in the prefix cache, for later prompts that start with those tokens."""
+        if self._retained is None:
+            return
+        held = self._pages.pages(slot)
+        n = full_pages_written(s.pos, self._pages.page_size, len(held))
+        if n:
+            self._retained.insert(s.sequence()[:n * self._pages.page_size], held[:n],
+                                  s.kv_version)
 
     def _abort_all(self) -> None:
         with self._cv:
@@ -662,7 +766,8 @@ class SlotScheduler:
                 "preemptions": c["preemptions"],
                 "compiled_programs": sum(f._cache_size() for f in (
                     self._fns.prefill, self._fns.decode, self._fns.release,
-                    self._fns.permute, self._fns.start)),
+                    self._fns.permute, self._fns.start) if f is not None) + (
+                    self._fns.extend._cache_size() if self._fns.extend is not None else 0),
             }
 
     def _kv_figures(self) -> dict:  # holds _cv
@@ -671,13 +776,24 @@ class SlotScheduler:
             return {"kv_layout": "dense", "kv_tokens_reserved": self._reserved,
                     "kv_budget_tokens": self.kv_budget}
         c = self._pages.page_size
-        return {"kv_layout": "paged", "kv_tokens_reserved": self._pages.used_pages * c,
+        # (pages only the prefix cache holds count as free: admission may take them)
+        free = self._pages.available
+        return {"kv_layout": "paged",
+                "kv_tokens_reserved": (self._pages.num_pages - free) * c,
                 "kv_budget_tokens": self._pages.num_pages * c, "page_size": c,
                 "kv_pages_total": self._pages.num_pages,
-                "kv_pages_free": self._pages.free_pages,
+                "kv_pages_free": free,
                 "kv_pages_shared": self._pages.shared_pages,
                 "shared_admissions": self._stats.totals["shared_admissions"],
                 "cow_page_copies": self._stats.totals["cow_page_copies"],
+                # prefix reuse (prefix_cache.py): admissions that mapped written pages (a
+                # retained prefix, or a preempted sample's group prompt), the positions
+                # mapped instead of prefilled, and the pages the cache keeps
+                "prefix_cache_hits": self._stats.totals["prefix_cache_hits"],
+                "reused_tokens": self._stats.totals["reused_tokens"],
+                "prefix_cache_pages": len(self._retained) if self._retained is not None else 0,
+                "prefix_cache_evictions": (self._retained.evictions
+                                           if self._retained is not None else 0),
                 "slot_moves": self._stats.totals["slot_moves"]}
 
     def warmup(self) -> int:
@@ -694,6 +810,14 @@ class SlotScheduler:
                         RowParams(**self._row_params(bp)), *self._no_pages(bp))
                     jax.block_until_ready(out)
                     n += 1
+                    if self._fns.extend is not None:  # (prefill over existing pages)
+                        self._cache, self._slots_dev, out = self._fns.extend(
+                            self._params, self._cache, self._slots_dev,
+                            np.zeros((bp, t), np.int32), np.zeros((bp,), np.int32),
+                            np.ones((bp,), np.int32), np.full((bp,), self.num_slots, np.int32),
+                            RowParams(**self._row_params(bp)), *self._no_pages(bp))
+                        jax.block_until_ready(out)
+                        n += 1
             for cache_len in self.cache_buckets:
                 for rows in self.row_buckets:
                     # Decode with every slot inactive runs zero steps, leaves the cache as is.

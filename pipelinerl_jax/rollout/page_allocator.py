@@ -4,7 +4,11 @@ holds, how many sequences hold each page, and the page-table rows the device pro
 
 Pages are reference counted: the `n` samples of one request hold their prompt's full pages
 together (`share`), and a page goes back to the free list when its last holder releases it
-(`release`), so freeing one sample never frees a page a sibling still reads.
+(`release`), so freeing one sample never frees a page a sibling still reads. A holder need not
+be a row: the prefix cache (`prefix_cache.py`) `retain`s the pages of finished samples it keeps,
+and the allocator asks it (its `reclaimer`) to give back pages only it holds before a `grow`
+fails, so retained pages never cost a running or an admitted sample a page (`available`
+counts them as free).
 
 Pure Python/NumPy, no device work, so the scheduler's admission and preemption decisions
 are cheap and deterministic (the free list is a stack: a freed page is the next one handed
@@ -36,11 +40,19 @@ class PageAllocator:
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         self._held: Dict[Hashable, List[int]] = {}
         self.refs = np.zeros((num_pages,), np.int32)
+        self.retained = np.zeros((num_pages,), np.int32)  # holds that are not rows' (cache)
         self.tables = np.full((num_rows, max_pages), num_pages, np.int32)
+        # `evictable() -> int` pages only it holds and `evict(n)` giving n of them back
+        self.reclaimer = None
 
     @property
     def free_pages(self) -> int:
         return len(self._free)
+
+    @property
+    def available(self) -> int:
+        """Free pages plus the pages only the reclaimer holds (it gives them back on demand)."""
+        return len(self._free) + (self.reclaimer.evictable() if self.reclaimer else 0)
 
     @property
     def used_pages(self) -> int:
@@ -62,6 +74,8 @@ class PageAllocator:
         """Makes `row` hold pages for its first `tokens` positions (fresh pages, held by
         `row` alone); False (and nothing allocated) when too few pages are free."""
         need = self.missing(row, tokens)
+        if need > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.evict(need - len(self._free))
         if need > len(self._free):
             return False
         pages = self._held.setdefault(row, [])
@@ -84,6 +98,24 @@ class PageAllocator:
             self._held[row] = list(pages)
             self.tables[row, :len(pages)] = pages
             self.refs[pages] += 1
+
+    def retain(self, page: int) -> None:
+        """One more hold on `page` (held already) that is not a row's (the prefix cache)."""
+        if self.refs[page] < 1:
+            raise ValueError(f"retain: page {page} is free")
+        self.refs[page] += 1
+        self.retained[page] += 1
+
+    def unretain(self, page: int) -> bool:
+        """Drops one `retain` hold on `page`; True when that freed it."""
+        if self.retained[page] < 1:
+            raise ValueError(f"unretain: page {page} is not retained")
+        self.retained[page] -= 1
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self._free.append(int(page))
+            return True
+        return False
 
     def pages(self, row: int) -> List[int]:
         """The pages `row` holds, in table order."""

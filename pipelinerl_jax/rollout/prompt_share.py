@@ -21,9 +21,11 @@ Lifetime. A `Prefix` lives while a sample holds it; the last holder's release (f
 abort, preemption) ends it and the allocator frees its full pages. A sibling admitted while
 the prefix lives needs only its private pages (admission counts the shared pages once); one
 admitted after it ended prefills a new prefix. A sample preempted after it generated tokens
-leaves the prefix and is readmitted with a private re-prefill of its whole sequence (there
-is no prefill over existing pages); one preempted before its first decode joins its group
-again like any sibling.
+leaves the prefix; readmitted while the prefix lives, it `rejoin`s it: it maps the full pages
+again and re-prefills only the rest of its sequence over them (the engine's `extend`
+program), its own partial page included (then `settle` records that page as a copy source
+like any member's). One preempted before its first decode joins its group again like any
+sibling.
 
 Provenance. A prefix records the version that wrote it; a sample admitted onto it reports
 that version as its `kv_version` (under `kv_policy='keep'` a sibling admitted after an
@@ -72,6 +74,29 @@ class PromptShare:
     def prefix_of(self, sample) -> Optional[Prefix]:
         return self._of.get(sample)
 
+    def live(self, request_id: str) -> Optional[Prefix]:
+        """The live prefix of request `request_id`, if any."""
+        return self._by_request.get(request_id)
+
+    def rejoin(self, sample, row: int) -> Prefix:
+        """Makes batch row `row`, which holds nothing, hold the full pages of `sample`'s live
+        group prefix again (a preempted sample readmitted; it prefills the rest itself) and
+        counts it a member; `settle` records its partial page once it holds one."""
+        prefix = self._by_request[sample.request.request_id]
+        self._pages.share(row, prefix.full)
+        prefix.members[sample] = None
+        self._of[sample] = prefix
+        return prefix
+
+    def settle(self, sample, pages) -> None:
+        """After `rejoin` and its growth to `pages`: the member's partial prefix page (its
+        own, holding the prompt's positions there once its prefill ran) becomes a copy
+        source for later siblings."""
+        prefix = self._of.get(sample)
+        if prefix is not None and prefix.members.get(sample) is None \
+                and prefix.tokens % self._pages.page_size:
+            prefix.members[sample] = pages[len(prefix.full)]
+
     def need(self, sample, tokens: int) -> int:
         """Free pages admitting `sample` with pages for its first `tokens` positions takes:
         all of them for a new prefix, all but the shared full pages onto a live one."""
@@ -101,7 +126,8 @@ class PromptShare:
             if not self._pages.grow(row, pre):
                 raise RuntimeError("admit: too few free pages (need() was not checked)")
             if partial:  # any member's partial page holds the prompt's part of it
-                copy = (next(iter(prefix.members.values())), self._pages.pages(row)[n_full])
+                source = next(p for p in prefix.members.values() if p is not None)
+                copy = (source, self._pages.pages(row)[n_full])
             created = False
         prefix.members[sample] = self._pages.pages(row)[n_full] if partial else None
         self._of[sample] = prefix

@@ -55,7 +55,8 @@ def _assert_same(dense, paged):
 
 
 def _check_refcounts(eng):
-    """Every page's count is the number of rows listing it; free pages are those at 0."""
+    """Every page's count is the number of rows listing it plus the prefix cache's hold;
+    free pages are those at 0."""
     pages = eng.pages
     counts = np.zeros((pages.num_pages,), np.int32)
     for row in range(eng.num_slots):
@@ -63,6 +64,7 @@ def _check_refcounts(eng):
         assert len(set(held)) == len(held)
         counts[held] += 1
         assert pages.tables[row, :len(held)].tolist() == held
+    counts += pages.retained  # (the prefix cache's holds: pages of finished samples)
     np.testing.assert_array_equal(pages.refs, counts)
     assert pages.free_pages == int((counts == 0).sum())
 
