@@ -28,6 +28,7 @@ def get_config(arg: str = ""):
     c.sampling.temperature = 1.0
     c.model.max_seq_len = 128
     c.engine.max_slots = 64
+    c.engine.kv_layout = "paged"  # multi-turn turns reuse earlier turns' pages
     c.rollout.group_size = 8
     c.rollout.advantage.estimator = "grpo"
     c.loss.name = "tis"

@@ -33,6 +33,7 @@ def get_config(arg: str = ""):
     c.env.dynamic_sampling = True
     c.model.max_seq_len = 96
     c.engine.max_slots = 64
+    c.engine.kv_layout = "paged"  # multi-turn turns reuse earlier turns' pages
     c.rollout.group_size = 8
     c.rollout.advantage.estimator = "grpo"
     c.loss.name = "tis"

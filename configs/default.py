@@ -21,6 +21,12 @@ def get_config(arg: str = ""):
     c.sampling.max_new_tokens = 97  # longest answer + EOS
     c.model.max_seq_len = 256  # the context: prompt + completion, for every role
     c.engine.max_slots = 64
+    # Paged KV cache (docs/engine.md): one prompt prefill per group of 8, pages instead of
+    # max_slots x max_seq_len reserved; the same pool bytes as dense. Measured against dense
+    # on this job (3 seeds x 200 steps, same warm start): held-out accuracy within noise,
+    # pace ~0.9x on CPU (the reference paged attention gathers pages). kv_layout='dense'
+    # stays available as the reference layout.
+    c.engine.kv_layout = "paged"
     c.rollout.group_size = 8
     c.rollout.advantage.estimator = "grpo"
     c.loss.name = "tis"

@@ -11,7 +11,8 @@ engine tracks, per sample, the version of its oldest KV write (its admission ver
 'keep', reset to the new version by a 'recompute' re-prefill). Log-probs: see
 `pipelinerl_jax.rollout.sampling` (`engine.logprob_mode`).
 
-KV layout (`engine.kv_layout`): 'dense' (the default) holds `max_slots × max_seq_len` tokens
+KV layout (`engine.kv_layout`): 'dense' (this section's default; the main job and the agent
+configs choose 'paged') holds `max_slots × max_seq_len` tokens
 of KV and `kv_budget_tokens` is the admission limit that models HBM on an accelerator (how
 many tokens of KV the device could hold); 'paged' holds a pool of `kv_budget_tokens` tokens
 (or `kv_memory_fraction` of free device memory) in pages of `page_size` that the slots share
