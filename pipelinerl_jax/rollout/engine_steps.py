@@ -67,6 +67,17 @@ class SlotState(NamedTuple):
     rows: RowParams  # per-slot sampling parameters
 
 
+def admitted(slots, slot_idx_b, token_b, pos_b, done_b, rows):
+    """`slots` with rows `slot_idx_b` set to freshly prefilled samples: their first sampled
+    token, its position, still active unless done, their request parameters (indices past
+    the slots, i.e. padding rows, are dropped)."""
+    def scatter(dst, src):
+        return dst.at[slot_idx_b].set(src, mode="drop")
+    return SlotState(token=scatter(slots.token, token_b), pos=scatter(slots.pos, pos_b),
+                     active=scatter(slots.active, ~done_b),
+                     rows=jax.tree.map(scatter, slots.rows, rows))
+
+
 def empty_slots(num_slots: int, max_stop_tokens: int) -> SlotState:
     def z():  # a distinct buffer per field: donated fields must not alias
         return jnp.zeros((num_slots,), jnp.int32)
@@ -124,11 +135,7 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
                 k=tuple(write_pages(p, tables_bn, positions, f) for p, f in zip(cache.k, fresh.k)),
                 v=tuple(write_pages(p, tables_bn, positions, f) for p, f in zip(cache.v, fresh.v)))
 
-        def scatter(dst, src):
-            return dst.at[slot_idx_b].set(src, mode="drop")
-        slots = SlotState(token=scatter(slots.token, token_b), pos=scatter(slots.pos, lengths_b),
-                          active=scatter(slots.active, ~done_b),
-                          rows=jax.tree.map(scatter, slots.rows, rows))
+        slots = admitted(slots, slot_idx_b, token_b, lengths_b, done_b, rows)
         return cache, slots, (token_b, logp_b, done_b)
 
     def extend(params, cache, slots: SlotState, ids_bt, starts_b, lengths_b, slot_idx_b,
@@ -148,11 +155,7 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         token_b, logp_b = sample(logits_bv, rows, ends_b, logprob_mode)
         done_b = is_stop(token_b, rows.stop_ids) | (ends_b + 1 >= rows.limit)
 
-        def scatter(dst, src):
-            return dst.at[slot_idx_b].set(src, mode="drop")
-        slots = SlotState(token=scatter(slots.token, token_b), pos=scatter(slots.pos, ends_b),
-                          active=scatter(slots.active, ~done_b),
-                          rows=jax.tree.map(scatter, slots.rows, rows))
+        slots = admitted(slots, slot_idx_b, token_b, ends_b, done_b, rows)
         return cache, slots, (token_b, logp_b, done_b)
 
     def decode(params, cache: KVCache, slots: SlotState, refill_at, tables_bn=None, *,
