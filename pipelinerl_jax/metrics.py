@@ -34,18 +34,26 @@ def _jsonable(v):
 
 class MetricsWriter:
     """`tb_suffix`: ends the TensorBoard event file's name, so that two processes writing
-    into one run's `tb/` (the learner, the evaluator) never pick the same file."""
+    into one run's `tb/` (the learner, the evaluator) never pick the same file.
+
+    TensorBoard events are written synchronously, one event per row holding all of its values,
+    and flushed at most every `flush_secs` (and on close). Not tensorboardX's `SummaryWriter`:
+    it puts every value through a bounded `multiprocessing.Queue` to a writer thread, so a
+    learner step's ~80 values cost dozens of thread hand-offs; on the staleness grid's one core
+    per run that was more of the learner's time than its train step (py-spy, BENCHMARKS.md)."""
 
     def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 tb_suffix: str = ""):
+                 tb_suffix: str = "", flush_secs: float = 10.0):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
+        self._flush_secs = flush_secs
+        self._flushed_at = 0.0
         if tensorboard:
-            from tensorboardX import SummaryWriter  # optional until used
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=10,
-                                     filename_suffix=tb_suffix)
+            from tensorboardX.event_file_writer import EventsWriter  # optional until used
+            os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
+            self._tb = EventsWriter(os.path.join(workdir, "tb", "events"), tb_suffix)
 
     def write(self, step: int, scalars: Dict[str, object]) -> None:
         """Appends `{"step", "time_unix", **scalars}`; `time_unix` (seconds since the epoch,
@@ -55,19 +63,29 @@ class MetricsWriter:
         self._f.write(json.dumps(record) + "\n")
         if self._tb is None:
             return
+        from tensorboardX import summary as tb_summary
+        from tensorboardX.proto import event_pb2
+        values = []
         for k, v in scalars.items():
             k = k.replace("+", "plus")  # TensorBoard tags allow [A-Za-z0-9_./-] only
             if isinstance(v, (list, tuple, np.ndarray)):
                 arr = np.asarray(v, dtype=np.float64)
                 if arr.size:
-                    self._tb.add_histogram(k, arr, step)
+                    values.extend(tb_summary.histogram(k, arr, "auto").value)
             elif isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
-                self._tb.add_scalar(k, float(v), step)
+                values.extend(tb_summary.scalar(k, float(v)).value)
+        if values:
+            self._tb.write_event(event_pb2.Event(wall_time=record["time_unix"], step=int(step),
+                                                 summary=tb_summary.Summary(value=values)))
+        if time.time() - self._flushed_at >= self._flush_secs:
+            self._tb.flush()
+            self._flushed_at = time.time()
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def append_jsonl(path: str, records: Iterable[dict]) -> None:

@@ -1,0 +1,81 @@
+"""`MetricsWriter`'s TensorBoard event file, read back with a TFRecord reader written here from
+the format's definition (length, masked CRC-32C of the length, data, masked CRC-32C of the
+data; CRC-32C computed bit by bit, not with tensorboardX's table): every row is one event at its
+step holding the row's scalars (tags cleaned) and a histogram per list; the file is complete
+after `close()` and readable mid-run after a flush."""
+import glob
+import struct
+
+import numpy as np
+from tensorboardX.proto import event_pb2
+
+from pipelinerl_jax.metrics import MetricsWriter
+
+
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked(data: bytes) -> int:
+    crc = _crc32c(data)
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _read_events(path):
+    events = []
+    with open(path, "rb") as f:
+        blob = f.read()
+    i = 0
+    while i < len(blob):
+        header = blob[i:i + 8]
+        (length,) = struct.unpack("<Q", header)
+        (header_crc,) = struct.unpack("<I", blob[i + 8:i + 12])
+        assert header_crc == _masked(header)
+        data = blob[i + 12:i + 12 + length]
+        (data_crc,) = struct.unpack("<I", blob[i + 12 + length:i + 16 + length])
+        assert data_crc == _masked(data)
+        events.append(event_pb2.Event.FromString(data))
+        i += 16 + length
+    return events
+
+
+def test_each_row_is_one_event_with_its_scalars_and_histograms(tmp_path):
+    w = MetricsWriter(str(tmp_path), tb_suffix=".learner", flush_secs=0.0)
+    w.write(1, {"reward/mean": 0.25, "lag/p99+": 3, "flag": True, "name": "x",
+                "rollout/response_lengths": [3, 5, 8]})
+    files = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*.learner"))
+    assert len(files) == 1
+    mid_run = _read_events(files[0])  # flushed: readable while the run goes on
+    assert [e.step for e in mid_run if e.HasField("summary")] == [1]
+    w.write(2, {"reward/mean": np.float32(0.5), "rollout/response_lengths": []})
+    w.close()
+    w.close()  # idempotent
+
+    events = _read_events(files[0])
+    assert events[0].file_version == "brain.Event:2"
+    rows = [e for e in events if e.HasField("summary")]
+    assert [e.step for e in rows] == [1, 2]
+    first = {v.tag: v for v in rows[0].summary.value}
+    assert set(first) == {"reward/mean", "lag/p99plus", "rollout/response_lengths"}
+    assert first["reward/mean"].simple_value == 0.25
+    assert first["lag/p99plus"].simple_value == 3.0
+    histo = first["rollout/response_lengths"].histo
+    assert (histo.num, histo.min, histo.max, histo.sum) == (3, 3.0, 8.0, 16.0)
+    second = {v.tag: v.simple_value for v in rows[1].summary.value}
+    assert second == {"reward/mean": 0.5}  # an empty list writes no histogram
+
+
+def test_rows_are_buffered_between_flushes_and_complete_after_close(tmp_path):
+    w = MetricsWriter(str(tmp_path), flush_secs=3600.0)
+    for step in range(1, 51):
+        w.write(step, {"loss/loss": float(step)})
+    w.close()
+    (path,) = glob.glob(str(tmp_path / "tb" / "events.out.tfevents.*"))
+    rows = [e for e in _read_events(path) if e.HasField("summary")]
+    assert [e.step for e in rows] == list(range(1, 51))
+    assert [e.summary.value[0].simple_value for e in rows] == [float(s) for s in range(1, 51)]
