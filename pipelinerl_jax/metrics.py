@@ -37,19 +37,17 @@ class MetricsWriter:
     into one run's `tb/` (the learner, the evaluator) never pick the same file.
 
     TensorBoard events are written synchronously, one event per row holding all of its values,
-    and flushed at most every `flush_secs` (and on close). Not tensorboardX's `SummaryWriter`:
+    and flushed to the OS with the row (a buffered write, no fsync), like `metrics.jsonl`. Not tensorboardX's `SummaryWriter`:
     it puts every value through a bounded `multiprocessing.Queue` to a writer thread, so a
     learner step's ~80 values cost dozens of thread hand-offs; on the staleness grid's one core
     per run that was more of the learner's time than its train step (py-spy, BENCHMARKS.md)."""
 
     def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
-                 tb_suffix: str = "", flush_secs: float = 10.0):
+                 tb_suffix: str = ""):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, filename)
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
-        self._flush_secs = flush_secs
-        self._flushed_at = 0.0
         if tensorboard:
             from tensorboardX.event_file_writer import EventsWriter  # optional until used
             os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
@@ -77,9 +75,7 @@ class MetricsWriter:
         if values:
             self._tb.write_event(event_pb2.Event(wall_time=record["time_unix"], step=int(step),
                                                  summary=tb_summary.Summary(value=values)))
-        if time.time() - self._flushed_at >= self._flush_secs:
-            self._tb.flush()
-            self._flushed_at = time.time()
+        self._tb.flush()
 
     def close(self) -> None:
         self._f.close()
