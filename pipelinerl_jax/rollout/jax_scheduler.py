@@ -301,8 +301,7 @@ class SlotScheduler:
             running = [s for s in self._slots if s is not None]
             for s in running:
                 s.kv_version = version
-            # (a page shared by a group is written by one of its re-prefill rows: `_prefill`)
-            self._prefill([(s, self._slots.index(s), s.sequence(), 0) for s in running])
+            self._prefill(self._recompute_entries(running))
             if self._share is not None:
                 self._share.restamp(version)
         with self._cv:
@@ -562,14 +561,35 @@ class SlotScheduler:
             self._queue.appendleft(s)  # youngest preempted first: the oldest ends up first
             self._stats.totals["preemptions"] += 1
 
+    def _recompute_entries(self, running) -> list:
+        """The `_prefill` entries of a 'recompute' update's re-prefill of `running`. Paged: a
+        page several running samples hold (a group's shared prompt pages, a retained prefix
+        two turns mapped) is rewritten by the first of them, whose whole sequence runs as a
+        plain prefill; each later holder re-prefills only what follows its leading such
+        pages, over them (`extend`), instead of its whole sequence."""
+        if self._pages is None:
+            return [(s, self._slots.index(s), s.sequence(), 0) for s in running]
+        c = self._pages.page_size
+        written, entries = set(), []
+        for s in running:
+            slot = self._slots.index(s)
+            pages, seq = self._pages.pages(slot), s.sequence()
+            lead = 0
+            while lead < len(pages) and pages[lead] in written:
+                lead += 1
+            start = min(lead * c, (len(seq) - 1) // c * c)  # at least one token runs
+            if not start:
+                written.update(pages)
+            entries.append((s, slot, seq, start))
+        return entries
+
     def _prefill(self, entries) -> int:
         """Prefills `(sample, slot, token sequence, start)` entries and records each first
         token; returns the tokens sampled. `start > 0` (paged): the slot's pages hold the
         K/V of `sequence[:start]` already (mapped, never written here) and only the rest
         runs, over them (`extend`). Paged: a `None` sample is a group's prompt prefix,
         written through `slot`'s table with no token sampled; a page several rows of a
-        plain prefill hold is written by the first of them only (a 'recompute' re-prefill
-        of a group)."""
+        plain prefill hold is written by the first of them only."""
         plain = [e for e in entries if not e[3]]
         over = [e for e in entries if e[3]]
         return self._prefill_rows(plain, False) + self._prefill_rows(over, True)

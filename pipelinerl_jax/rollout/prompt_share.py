@@ -30,8 +30,9 @@ sibling.
 Provenance. A prefix records the version that wrote it; a sample admitted onto it reports
 that version as its `kv_version` (under `kv_policy='keep'` a sibling admitted after an
 update keeps reading the older prefix, and says so). Under 'recompute' an update re-prefills
-every running sample's whole sequence; the scheduler writes each shared page from exactly
-one of those rows and `restamp`s every prefix with the new version.
+every running sample: one holder of a prefix its whole sequence (rewriting the shared
+pages), the others only what follows them, over them; then `restamp` gives every prefix the
+new version.
 
 Host bookkeeping only (the scheduler holds its lock while calling it, and runs the prefill
 and the copies on device); the page reference counts live in `PageAllocator`.

@@ -217,3 +217,30 @@ def test_recompute_update_rewrites_shared_prompts_with_exact_provenance(models, 
                 models[int(v)], c.prompt_ids, c.token_ids)[at], atol=1e-4)
     assert {int(v) for c in done for v in c.version} == {0, 2}
     assert eng.stats()["kv_pages_free"] == 16
+
+
+def test_recompute_update_reprefills_a_groups_shared_prompt_pages_once(models, reference):
+    """'recompute' with a group of 4 on a 25-token prompt (24 prefix positions = 3 full shared
+    pages of 8): the update's re-prefill runs one sample's whole sequence and, for each
+    sibling, only what follows the shared pages, over them (`extend`) — (25 + g) + 3·(1 + g)
+    tokens instead of 4·(25 + g), g tokens sampled before the update — and every token is
+    still the new version's full forward."""
+    eng = make_engine(models[0], kv_policy="recompute", **PAGED)
+    eng.submit(request("big", _prompt(25, 7), max_new_tokens=20, n=4, temperature=0.0))
+    eng.step()
+    eng.step()
+    before = eng.stats()["prefill_tokens"]
+    eng.update_weights(models[2], 2)
+    eng.step()  # applies the update: the re-prefill, then a decode chunk
+    rerun = eng.stats()["prefill_tokens"] - before
+    done = run_until(eng, 4)
+    g = {int((c.version == 0).sum()) for c in done}
+    assert len(g) == 1 and 0 < next(iter(g)) < 20, g  # every sample was mid-answer
+    g = g.pop()
+    assert rerun == (25 + g) + 3 * (1 + g), (rerun, g)
+    for c in done:
+        np.testing.assert_array_equal(c.kv_version, c.version)
+        for v in np.unique(c.version):
+            at = c.version == v
+            np.testing.assert_allclose(c.logp_behaviour[at], reference(
+                models[int(v)], c.prompt_ids, c.token_ids)[at], atol=1e-4)
