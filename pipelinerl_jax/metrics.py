@@ -40,7 +40,8 @@ class MetricsWriter:
     and flushed to the OS with the row (a buffered write, no fsync), like `metrics.jsonl`. Not tensorboardX's `SummaryWriter`:
     it puts every value through a bounded `multiprocessing.Queue` to a writer thread, so a
     learner step's ~80 values cost dozens of thread hand-offs; on the staleness grid's one core
-    per run that was more of the learner's time than its train step (py-spy, BENCHMARKS.md)."""
+    per run that cost 2.6x the wall time and 3.4x the CPU of writing the row in one event
+    (`scripts/bench_metrics.py`, BENCHMARKS.md)."""
 
     def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
                  tb_suffix: str = ""):
