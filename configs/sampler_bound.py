@@ -43,6 +43,7 @@ def get_config(arg: str = ""):
     c.learner.keep_checkpoints = 1
     c.learner.optimizer.learning_rate = 1e-4
     c.warm_start.steps = 300
+    c.warm_start.target_accuracy = 0.0  # its committed tables: the fixed 300 steps
     if arg == "quick":
         default.quick(c)
         c.rollout.group_size = 8

@@ -32,7 +32,12 @@ def main(argv):
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
     cfg = run_config.resolve(cfg)  # the derived values every role reads
-    summary = run_sft(cfg, _WORKDIR.value, evaluate=sft_evaluator(cfg))
+    evaluate = sft_evaluator(cfg)
+    try:
+        summary = run_sft(cfg, _WORKDIR.value, evaluate=evaluate)
+    finally:
+        if evaluate is not None:
+            evaluate.close()
     print(json.dumps(summary, indent=2))
 
 

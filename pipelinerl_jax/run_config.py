@@ -106,6 +106,10 @@ def base_config() -> ml_collections.ConfigDict:
         batch_size=64, micro_batches=1, log_every=20,
         optimizer=optimizer_config(learning_rate=3e-3, warmup_steps=50, decay="cosine"),
         checkpoint=config_dict.placeholder(str),  # reuse an existing warm-start checkpoint
+        # > 0: stop at the first held-out evaluation (every `eval_every` steps, on the
+        # learner's eval set) whose accuracy reaches this; `steps` is then the most it trains.
+        # 0: train exactly `steps`.
+        target_accuracy=0.0, eval_every=10,
     ))
     c.mesh = ml_collections.ConfigDict(dict(shape=(1, 1, 1)))
     c.transport = transport_config()
@@ -348,6 +352,13 @@ def validate(cfg) -> None:
     if cfg.warm_start.steps:
         _int(cfg, "warm_start.steps")
         _int(cfg, "warm_start.batch_size", 1)
+    target = cfg.warm_start.get("target_accuracy", 0.0)
+    if isinstance(target, bool) or not isinstance(target, (int, float)) \
+            or not 0.0 <= target <= 1.0:
+        raise ConfigError("warm_start.target_accuracy", "must be a held-out accuracy in "
+                          f"[0, 1] (0: train exactly warm_start.steps), got {target!r}")
+    if target:
+        _int(cfg, "warm_start.eval_every", 1)  # (on the learner's held-out set)
     for key in ("max_worker_restarts", "max_queue_restarts", "max_learner_restarts"):
         _int(cfg, f"launch.{key}")
     check_keys(cfg.resources, "resources", resources.resources_config().keys())

@@ -32,6 +32,7 @@ def get_config(arg: str = ""):
     e.learner.keep_checkpoints = 1
     e.learner.optimizer.learning_rate = 1e-4
     e.warm_start.steps = 300
+    e.warm_start.target_accuracy = 0.0  # its committed tables: the fixed 300 steps
 
     c = ablation_config(e)
     c.axes.schedule = variants(*SCHEDULES)

@@ -101,8 +101,13 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
         return 0
     if role == "sft":
         from pipelinerl_jax.learner.sft import run_sft
-        print(json.dumps(run_sft(cfg, workdir, progress=False, evaluate=sft_evaluator(cfg))),
-              flush=True)
+        evaluate = sft_evaluator(cfg)
+        try:
+            print(json.dumps(run_sft(cfg, workdir, progress=False, evaluate=evaluate)),
+                  flush=True)
+        finally:
+            if evaluate is not None:
+                evaluate.close()
         return 0
     if init_ckpt is None:
         with open(os.path.join(workdir, "init_checkpoint.txt")) as f:
@@ -154,20 +159,30 @@ def eval_outbox(cfg, workdir: str, init_ckpt: str):
 
 
 def sft_evaluator(cfg):
-    """`evaluate(model) -> dict` for `run_sft`: held-out accuracy (None if eval_size is 0)."""
+    """`evaluate(model, step) -> dict` for `run_sft`: held-out accuracy of the model's current
+    parameters (None if eval_size is 0). One engine serves every call (`close()` it after):
+    the first call loads it from the model, later ones install the parameters as version
+    `step`."""
     if cfg.learner.eval_size <= 0:
         return None
+    held = {}
 
-    def evaluate(model):
-        from pipelinerl_jax.envs import build_task
-        from pipelinerl_jax.rollout.evaluator import Evaluator
+    def evaluate(model, step: int = 0):
         from pipelinerl_jax.models import flat_params
-        from pipelinerl_jax.tokenizers import get_tokenizer
-        ev = Evaluator.embedded(cfg, model, build_task(cfg), get_tokenizer(cfg.tokenizer))
-        try:
-            return ev(flat_params(model), 0)
-        finally:
-            ev.close()
+        ev = held.get("ev")
+        if ev is None:
+            from pipelinerl_jax.envs import build_task
+            from pipelinerl_jax.rollout.evaluator import Evaluator
+            from pipelinerl_jax.tokenizers import get_tokenizer
+            ev = held["ev"] = Evaluator.embedded(cfg, model, build_task(cfg),
+                                                 get_tokenizer(cfg.tokenizer))
+            return ev.run(0)
+        return ev(flat_params(model), step)
+
+    def close():
+        if "ev" in held:
+            held.pop("ev").close()
+    evaluate.close = close
     return evaluate
 
 

@@ -60,8 +60,10 @@ def warm_start(cfg, workdir: str, *, progress: bool = True, env: Optional[dict] 
         os.remove(stale)
 
     child = roles.child("sft", ws_dir, env=env).start()
-    log(f"warm start: {cfg.warm_start.steps} supervised steps -> {model} "
-        f"(log: {child.log_path})")
+    target = cfg.warm_start.get("target_accuracy") or 0.0
+    until = f", until held-out accuracy {target:.0%}" if target else ""
+    log(f"warm start: {cfg.warm_start.steps} supervised steps{' at most' if target else ''}"
+        f"{until} -> {model} (log: {child.log_path})")
     bar = SftProgress(ws_dir, cfg.warm_start.steps) if progress else None
 
     def every():
@@ -83,5 +85,9 @@ def warm_start(cfg, workdir: str, *, progress: bool = True, env: Optional[dict] 
         with open(summary) as f:
             s = json.load(f)
         extra = f", held-out accuracy {s['eval/accuracy']:.3f}" if "eval/accuracy" in s else ""
+        if s.get("stopped_at", s.get("steps")) != s.get("steps"):
+            extra += f", stopped at step {s['stopped_at']}"
+        if s.get("target_reached") is False:
+            extra += " (target NOT reached)"
         log(f"warm start done in {s['time_s']:.0f}s (loss {s['final_loss']:.3f}{extra})")
     return model

@@ -74,3 +74,68 @@ def test_sft_is_bit_reproducible(tmp_path):
         files[name] = (out / "model" / "model.safetensors").read_bytes()
     assert files["a"] == files["b"]
     assert files["a"] != files["c"]
+
+
+def test_sft_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path):
+    """`warm_start.target_accuracy`: evaluated every `eval_every` steps (on the parameters
+    trained so far), stopped at the first evaluation at or above the target; the model saved
+    is the one evaluated there. Without the target: no evaluation until the end."""
+    import json
+
+    import numpy as np
+    from pipelinerl_jax.learner.sft import run_sft
+    from pipelinerl_jax.models import flat_params, from_pretrained
+
+    def evaluator(curve):
+        calls = []
+
+        def evaluate(model, step=0):
+            params = {k: np.asarray(v).copy() for k, v in flat_params(model).items()}
+            calls.append((step, params))
+            return {"eval/accuracy": curve(step)}
+        return evaluate, calls
+
+    c = _config(steps=20, batch_size=4, log_every=1, target_accuracy=0.3, eval_every=4)
+    c.learner.eval_size = 8
+    run_config.validate(c)
+    evaluate, calls = evaluator(lambda step: [0.0, 0.1, 0.25, 0.4, 0.9][step // 4 - 1])
+    s = run_sft(run_config.resolve(c), str(tmp_path / "gated"), progress=False,
+                evaluate=evaluate)
+    assert [step for step, _ in calls] == [4, 8, 12, 16]  # 0.4 >= 0.3 at step 16: stop
+    assert s["stopped_at"] == 16 and s["target_reached"] and s["eval/accuracy"] == 0.4
+    saved = flat_params(from_pretrained(s["checkpoint"]))
+    last = calls[-1][1]
+    assert saved.keys() == last.keys()
+    for k in last:
+        np.testing.assert_array_equal(np.asarray(saved[k]), last[k])
+    assert any(not np.array_equal(calls[0][1][k], last[k]) for k in last)
+    rows = [json.loads(line) for line in open(tmp_path / "gated" / "sft_metrics.jsonl")]
+    assert [r["sft/eval_accuracy"] for r in rows if "sft/eval_accuracy" in r] == \
+        [0.0, 0.1, 0.25, 0.4]
+
+    # Never reached: trains all `steps`, evaluates once more at the end, says so.
+    evaluate, calls = evaluator(lambda step: 0.1)
+    s = run_sft(run_config.resolve(c), str(tmp_path / "never"), progress=False,
+                evaluate=evaluate)
+    assert [step for step, _ in calls] == [4, 8, 12, 16, 20]
+    assert s["stopped_at"] == 20 and s["target_reached"] is False
+
+    # No target: one evaluation, at the end.
+    c = _config(steps=6, batch_size=4, log_every=1)
+    evaluate, calls = evaluator(lambda step: 0.5)
+    s = run_sft(run_config.resolve(c), str(tmp_path / "plain"), progress=False,
+                evaluate=evaluate)
+    assert [step for step, _ in calls] == [6] and "target_reached" not in s
+
+
+@pytest.mark.parametrize("warm, eval_size, key", [
+    (dict(target_accuracy=1.5), 8, "warm_start.target_accuracy"),
+    (dict(target_accuracy=-0.1), 8, "warm_start.target_accuracy"),
+    (dict(target_accuracy=0.3, eval_every=0), 8, "warm_start.eval_every"),
+])
+def test_a_bad_target_is_refused_naming_its_key(warm, eval_size, key):
+    c = _config(steps=20, **warm)
+    c.learner.eval_size = eval_size
+    with pytest.raises(ConfigError) as e:
+        run_config.validate(c)
+    assert e.value.key == key
