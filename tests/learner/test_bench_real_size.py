@@ -97,3 +97,22 @@ def test_weight_sync_bench_smoke():
         m = out[mode]
         assert m["step_s"] > 0 and m["publish_blocking_s"] >= 0
         assert abs(m["sync_fraction"] - m["publish_blocking_s"] / m["step_s"]) < 0.01, m
+
+
+def test_decode_attention_bench_smoke():
+    """scripts/bench_decode_attention.py --smoke: both layouts timed interleaved; the paged
+    reference's program moves only its gathered keys and values (two transposes a layer,
+    each fused into its gather)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts",
+                                                        "bench_decode_attention.py"), "--smoke"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["layers"] == 2 and out["rounds"] == 4
+    assert out["dense_ms"] > 0 and out["paged_ms"] > 0 and out["paged_speed_vs_dense"] > 0
+    q1, q3 = out["paged_speed_vs_dense_quartiles"]
+    assert q1 <= out["paged_speed_vs_dense"] <= q3
+    assert out["hlo_ops"]["paged"]["transpose"] == 2 * out["layers"]
+    assert out["hlo_ops"]["dense"]["transpose"] == 0
