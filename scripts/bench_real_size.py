@@ -4,6 +4,7 @@
                                       [--only learner|engine] [--workdir DIR] [--mesh 1,1,1]
                                       [--seqs N] [--micro-batches M] [--steps K]
                                       [--kv-layout dense|paged|both] [--attention-kernel K]
+                                      [--repeats R]
 
 Writes a random HF checkpoint with Qwen2.5-0.5B's config dimensions (nothing downloaded; a
 rerun with the same --workdir reuses it), loads it as the learner does and times the real
@@ -18,8 +19,12 @@ memory copies, an artifact of emulating a mesh on one CPU). On GPU/TPU: every de
 MFU against the summed peak of the devices. Then the JaxEngine (one device) decodes at batch
 1/8/32 and its tokens/s is compared with the rooflines measured in the same run: memory
 bandwidth (a large on-device copy; each decode step reads the weights and the live KV) and
-compute (the matmul peak, 2·params FLOPs a token); `--kv-layout both` times the paged KV
-cache too (same KV tokens, pages of 16) and reports its share of the roofline over dense's.
+compute (the matmul peak, 2·params FLOPs a token), the median of `--repeats` timed rounds
+(default 3); `--kv-layout both` builds the paged KV cache's engine too (same KV tokens, pages
+of 16) and times the two interleaved (dense, paged, dense, paged, ... on the same prompts
+within a round), reporting paged's share of the roofline over dense's as the median of the
+per-round ratios, with every round's ratio and their min/max (load drift between runs minutes
+apart moved this ratio by more than the 8% it had to resolve).
 `--param-dtype bfloat16`: bf16 master
 weights (float32 optimizer state; see learner/train_step.py). `--smoke`: the tiny model, a
 few seconds. Prints one JSON line.
@@ -182,50 +187,86 @@ def _optimizer_time(optimizer, state, hp, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict, layout: str = "dense") -> dict:
-    """Decode tokens/s at each batch against the rooflines. `layout='paged'`: the paged KV
-    cache (pages of 16, a pool of the dense cache's tokens, `engine.attention_kernel` =
-    `--attention-kernel`); the roofline is the same (it reads the same weights and live KV)."""
+def _engine(ckpt: str, a, layout: str) -> JaxEngine:
+    """The engine `bench_engine` times: `layout='paged'` is the paged KV cache (pages of 16, a
+    pool of the dense cache's tokens, `engine.attention_kernel` = `--attention-kernel`)."""
     max_seq = a.prompt + a.decode_tokens
     config = {"max_slots": max(a.batches), "max_seq_len": max_seq, "dtype": a.dtype,
               "max_prefill_batch": max(a.batches), "prefill_buckets": (a.prompt,)}
     if layout == "paged":
         config.update(kv_layout="paged", page_size=min(16, max_seq),
                       attention_kernel=a.attention_kernel)
-    engine = JaxEngine(ckpt, config)
-    wbytes = engine_memory.weight_bytes(cfg, engine.dtype)
-    kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, engine.dtype)
-    out = {}
-    rng = np.random.default_rng(1)
-    for b in a.batches:
-        def run(tag):
-            reqs = [GenerationRequest(f"{tag}-{i}", rng.integers(3, cfg.vocab_size, a.prompt)
-                                      .astype(np.int32),
-                                      SamplingParams(max_new_tokens=a.decode_tokens))
-                    for i in range(b)]
-            t = time.perf_counter()
-            done = engine.generate(reqs)
-            return time.perf_counter() - t, sum(len(c.token_ids) for c in done)
-        run(f"warm{b}")  # compile
-        dt, n = run(f"b{b}")
-        tok_s = n / dt
-        kv_read = b * kv_tok * (a.prompt + a.decode_tokens / 2)  # mean live KV a step
-        bw_roof = b * peaks["copy_gbytes_s"] * 1e9 / (wbytes + kv_read)
-        compute_roof = peaks["matmul_gflops"] * 1e9 / (2 * cfg.num_params)
-        roof = min(bw_roof, compute_roof)
-        out[f"batch_{b}"] = {"tokens_per_s": round(tok_s, 1), "roofline_tokens_per_s":
-                             round(roof, 1), "of_roofline": round(tok_s / roof, 4),
-                             "bound": "memory" if bw_roof < compute_roof else "compute"}
-    if layout == "paged":
-        out["attention_impl"] = engine.attention_impl
-    engine.close()
+    return JaxEngine(ckpt, config)
+
+
+def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict,
+                 layouts: tuple = ("dense",)) -> dict:
+    """Decode tokens/s at each batch against the rooflines, per layout of `layouts` (a
+    result dict each, keyed by layout). All engines are built first and, per batch, timed
+    interleaved: `a.repeats` rounds of one timed `generate` each, in `layouts` order, on the
+    same prompts within a round; each reports the median over rounds (`round_tokens_per_s`
+    lists them all). Interleaving keeps the ratio of two layouts honest on a machine whose
+    load drifts (runs minutes apart moved it by more than the 8% it had to resolve, issue 25).
+    The roofline is the same for every layout (each reads the same weights and live KV)."""
+    engines = {}
+    try:
+        for layout in layouts:
+            engines[layout] = _engine(ckpt, a, layout)
+        eng0 = next(iter(engines.values()))
+        wbytes = engine_memory.weight_bytes(cfg, eng0.dtype)
+        kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, eng0.dtype)
+        out = {layout: {} for layout in layouts}
+        rng = np.random.default_rng(1)
+        for b in a.batches:
+            def prompts(tag):
+                return [GenerationRequest(f"{tag}-{i}", rng.integers(3, cfg.vocab_size, a.prompt)
+                                          .astype(np.int32),
+                                          SamplingParams(max_new_tokens=a.decode_tokens))
+                        for i in range(b)]
+
+            def run(engine, reqs):
+                t = time.perf_counter()
+                done = engine.generate(reqs)
+                return sum(len(c.token_ids) for c in done) / (time.perf_counter() - t)
+            for layout, engine in engines.items():
+                run(engine, prompts(f"warm{b}"))  # compile
+            rounds = {layout: [] for layout in layouts}
+            for r in range(a.repeats):
+                reqs = prompts(f"b{b}-r{r}")
+                for layout, engine in engines.items():
+                    rounds[layout].append(run(engine, reqs))
+            kv_read = b * kv_tok * (a.prompt + a.decode_tokens / 2)  # mean live KV a step
+            bw_roof = b * peaks["copy_gbytes_s"] * 1e9 / (wbytes + kv_read)
+            compute_roof = peaks["matmul_gflops"] * 1e9 / (2 * cfg.num_params)
+            roof = min(bw_roof, compute_roof)
+            for layout in layouts:
+                tok_s = float(np.median(rounds[layout]))
+                out[layout][f"batch_{b}"] = {
+                    "tokens_per_s": round(tok_s, 1),
+                    "round_tokens_per_s": [round(x, 1) for x in rounds[layout]],
+                    "roofline_tokens_per_s": round(roof, 1),
+                    "of_roofline": round(tok_s / roof, 4),
+                    "bound": "memory" if bw_roof < compute_roof else "compute"}
+        if "paged" in engines:
+            out["paged"]["attention_impl"] = engines["paged"].attention_impl
+    finally:
+        for engine in engines.values():
+            engine.close()
     return out
 
 
 def paged_vs_dense(dense: dict, paged: dict) -> dict:
-    """Per batch: the paged engine's share of the roofline over the dense engine's, measured
-    in the same process (the goal of issue 25: >= 1 at batch 32)."""
-    return {k: round(paged[k]["of_roofline"] / dense[k]["of_roofline"], 3)
+    """Per batch: the paged engine's share of the roofline over the dense engine's (the goal
+    of issue 25: >= 1 at batch 32), as the median of the per-round ratios of an interleaved
+    run (`bench_engine`; both share one roofline, so a share ratio is a tokens/s ratio)."""
+    return {k: round(float(np.median(paged_vs_dense_rounds(dense, paged)[k])), 3)
+            for k in dense if k.startswith("batch_")}
+
+
+def paged_vs_dense_rounds(dense: dict, paged: dict) -> dict:
+    """Per batch: each round's paged / dense tokens/s (the spread behind the median)."""
+    return {k: [round(p / d, 3) for d, p in zip(dense[k]["round_tokens_per_s"],
+                                                 paged[k]["round_tokens_per_s"])]
             for k in dense if k.startswith("batch_")}
 
 
@@ -267,9 +308,14 @@ def main():
               "matmul_n"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
     p.add_argument("--batches", default=None, help="engine decode batches, e.g. 1,8,32")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed engine rounds per batch (the median is reported; with "
+                        "--kv-layout both each round times dense then paged)")
     p.add_argument("--kv-layout", default="dense", choices=("dense", "paged", "both"),
-                   help="the engine's KV cache: 'both' times dense then paged in one process "
-                        "(JSON keys engine, engine_paged, paged_vs_dense_of_roofline)")
+                   help="the engine's KV cache: 'both' builds both engines in one process and "
+                        "times them interleaved (JSON keys engine, engine_paged, "
+                        "paged_vs_dense_of_roofline: the median per-round ratio, "
+                        "paged_vs_dense_rounds, paged_vs_dense_range)")
     p.add_argument("--attention-kernel", default="auto",
                    choices=("auto", "reference", "pallas"),
                    help="engine.attention_kernel of the paged engine")
@@ -297,16 +343,25 @@ def main():
            "peaks": dict({k: round(v, 2) for k, v in peaks.items()}, matmul_dtype=a.dtype)}
     if a.only in (None, "learner"):
         out["learner"] = bench_learner(ckpt, cfg, a, peaks["matmul_gflops"])
-    if a.only in (None, "engine") and a.kv_layout in ("dense", "both"):
-        out["engine"] = bench_engine(ckpt, cfg, a, peaks)
-    if a.only in (None, "engine") and a.kv_layout in ("paged", "both"):
+    if a.only in (None, "engine"):
+        layouts = ("dense", "paged") if a.kv_layout == "both" else (a.kv_layout,)
         try:  # a kernel that fails on this accelerator must not cost the other figures
-            out["engine_paged"] = bench_engine(ckpt, cfg, a, peaks, "paged")
+            eng = bench_engine(ckpt, cfg, a, peaks, layouts)
         except Exception as e:  # noqa: BLE001 - reported in the JSON line
-            out["engine_paged"] = {"error": f"{type(e).__name__}: {str(e)[:1000]}"}
-        if "engine" in out and "error" not in out["engine_paged"]:
-            out["paged_vs_dense_of_roofline"] = paged_vs_dense(out["engine"],
-                                                               out["engine_paged"])
+            if "paged" not in layouts:
+                raise
+            eng = {"paged": {"error": f"{type(e).__name__}: {str(e)[:1000]}"}}
+            if "dense" in layouts:  # the dense figures alone, as before the paged engine
+                eng.update(bench_engine(ckpt, cfg, a, peaks, ("dense",)))
+        if "dense" in eng:
+            out["engine"] = eng["dense"]
+        if "paged" in eng:
+            out["engine_paged"] = eng["paged"]
+        if "dense" in eng and "paged" in eng and "error" not in eng["paged"]:
+            out["paged_vs_dense_of_roofline"] = paged_vs_dense(eng["dense"], eng["paged"])
+            rounds = paged_vs_dense_rounds(eng["dense"], eng["paged"])
+            out["paged_vs_dense_rounds"] = rounds
+            out["paged_vs_dense_range"] = {k: [min(v), max(v)] for k, v in rounds.items()}
     print(json.dumps(out), flush=True)
 
 

@@ -20,7 +20,9 @@ it holds no device memory):
           at batch 1/8/32 against the bandwidth and compute rooflines measured in the same
           process, for the dense and (not on CPU) the paged KV cache (paged attention through
           `engine.attention_kernel=auto`: the Pallas kernel on a GPU/TPU), and paged's share
-          of the roofline over dense's (`paged_vs_dense_of_roofline`).
+          of the roofline over dense's (`paged_vs_dense_of_roofline`: the median of the
+          per-round ratios of the two engines timed interleaved, each round's in
+          `paged_vs_dense_rounds`, their min / max in `paged_vs_dense_range`).
   paged   scripts/bench_paged.py: dense vs paged KV cache at the same KV bytes under the
           sampler-bound length tail (active sequences per step, tokens/s, preemptions,
           greedy tokens equal); on GPU its --quick size (128 sequences), on CPU --smoke.
@@ -272,7 +274,9 @@ def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
            "learner" if part == "model" else "engine", f"--workdir={workdir}",
            f"--param-dtype={param_dtype}"]
     if part == "engine" and r.mode != "cpu":  # on CPU the paged part covers the paged engine
-        cmd.append("--kv-layout=both")
+        # two interleaved rounds (each round is one more generate per layout and batch; the
+        # part's time limit is fixed within the check's total)
+        cmd += ["--kv-layout=both", "--repeats=2"]
     if r.mode == "cpu":
         cmd.append("--smoke")
     res = r.run(part, cmd, LIMITS[r.mode][part])
@@ -285,7 +289,8 @@ def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
             out[k] = data[k]
     out.update(data.get("learner" if part == "model" else "engine", {}))
     if part == "engine":
-        for k in ("engine_paged", "paged_vs_dense_of_roofline"):
+        for k in ("engine_paged", "paged_vs_dense_of_roofline", "paged_vs_dense_rounds",
+                  "paged_vs_dense_range"):
             if k in data:
                 out[k.replace("engine_", "")] = data[k]
     return out

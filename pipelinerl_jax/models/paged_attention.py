@@ -21,8 +21,11 @@ positions the mask hides.
 `paged_attention` is the one function that reads pages; its `kernel` argument (a resolved
 `engine.attention_kernel`, `models/paged_kernels.py`) picks a Pallas kernel (TPU ragged
 paged attention, GPU Triton paged attention) or the reference below, which gathers the
-sequence's first `n_pages` pages into a dense `[B, n_pages*C, K, X]` view and attends over
-it, so its cost is one copy of the keys and values it reads per call. `write_pages` is the matching
+sequence's first `n_pages` pages into a dense view and attends over it, so its cost is one
+copy of the keys and values it reads per call. The view is laid out as the dense engine's
+decode cache is (keys `[B, K, X, S]`, values `[B, K, S, X]`, `rollout/decode_step.py`): on
+XLA:CPU the gather and that transpose fuse into one pass and the two products need no
+further copy of keys, values, queries or probabilities. `write_pages` is the matching
 scatter. `Decoder.hidden_states` takes a `PagedKVCache` where it takes a dense `KVCache`.
 """
 from __future__ import annotations
@@ -104,14 +107,24 @@ def paged_attention(q_bthx, pool_k, pool_v, page_table_bn, positions_bt,
             return out
     b, t, h, x = q_bthx.shape
     k_heads = pool_k.shape[2]
+    g = h // k_heads
     dt = q_bthx.dtype
-    keys = gather_pages(pool_k, page_table_bn, n_pages).astype(dt)  # [B, S, K, X]
-    values = gather_pages(pool_v, page_table_bn, n_pages).astype(dt)
-    s = keys.shape[1]
-    q = q_bthx.reshape(b, t, k_heads, h // k_heads, x)
-    scores = jnp.einsum("btkgx,bskx->bkgts", q, keys).astype(jnp.float32) / math.sqrt(x)
+    # The gathered view in the dense engine's layout (`rollout/decode_step.py`): keys
+    # [B, K, X, S], values [B, K, S, X], the batch and kv-head dimensions leading, so both
+    # products are plain batched matrix products whose contraction is a major dimension;
+    # XLA fuses each transpose into its gather (one pass over what is read). The T queries
+    # of a kv head's G query heads are one [T*G, X] block (free reshapes for T = 1).
+    keys_bkxs = jnp.transpose(gather_pages(pool_k, page_table_bn, n_pages),
+                              (0, 2, 3, 1)).astype(dt)
+    values_bksx = jnp.transpose(gather_pages(pool_v, page_table_bn, n_pages),
+                                (0, 2, 1, 3)).astype(dt)
+    s = keys_bkxs.shape[-1]
+    q_bkmx = jnp.transpose(q_bthx.reshape(b, t, k_heads, g, x),
+                           (0, 2, 1, 3, 4)).reshape(b, k_heads, t * g, x)
+    scores = jnp.einsum("bkmx,bkxs->bkms", q_bkmx, keys_bkxs).astype(jnp.float32)
+    scores = scores.reshape(b, k_heads, t, g, s) / math.sqrt(x)
     visible = jnp.arange(s)[None, None, :] <= positions_bt[:, :, None]  # [b, t, s]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskx->btkgx", probs, values)
-    return out.reshape(b, t, h, x)
+    scores = jnp.where(visible[:, None, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, k_heads, t * g, s)
+    out = jnp.einsum("bkms,bksx->bkmx", probs, values_bksx)
+    return jnp.transpose(out.reshape(b, k_heads, t, g, x), (0, 2, 1, 3, 4)).reshape(b, t, h, x)

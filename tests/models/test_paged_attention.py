@@ -110,3 +110,62 @@ def test_writes_to_unheld_pages_are_dropped_and_gather_restores_positions():
     np.testing.assert_array_equal(view[0, :, 0, 0], [1, 2, 3, 4])
     assert float(pool[3, 0, 0, 0]) == 1 and float(pool[1, 1, 0, 0]) == 4
     assert float(jnp.abs(pool[jnp.asarray([0, 2, 4])]).sum()) == 0  # nothing else was written
+
+
+def _oracle_attention(q, pool_k, pool_v, tables, positions):
+    """Plain numpy (float64) causal softmax attention of each row's queries over the keys and
+    values its page table lists, GQA head h reading kv head h // (H/K)."""
+    q, pool_k, pool_v = (np.asarray(a, np.float64) for a in (q, pool_k, pool_v))
+    b, t, h, x = q.shape
+    c, k_heads = pool_k.shape[1], pool_k.shape[2]
+    out = np.zeros_like(q)
+    for r in range(b):
+        keys = np.concatenate([pool_k[p] for p in tables[r]])  # [S, K, X], position order
+        values = np.concatenate([pool_v[p] for p in tables[r]])
+        for i in range(t):
+            n = positions[r, i] + 1
+            for head in range(h):
+                kv = head // (h // k_heads)
+                s = keys[:n, kv] @ q[r, i, head] / np.sqrt(x)
+                w = np.exp(s - s.max())
+                out[r, i, head] = (w / w.sum()) @ values[:n, kv]
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_reference_attention_matches_a_plain_oracle(t):
+    """The reference (its gathered view laid out as the dense engine's cache) against a
+    float64 loop over each row's logical keys: decode (T = 1) and T > 1 (the extend program),
+    seven query heads per kv head (the Qwen2.5-0.5B ratio), ragged positions over shuffled
+    pages, pages past a row's position full of junk."""
+    rng = np.random.default_rng(t)
+    b, c, n, k_heads, g, x = 4, 4, 3, 2, 7, 8
+    num_pages = b * n + 2
+    tables = _random_tables(rng, b, n, num_pages)
+    pool_k = rng.normal(size=(num_pages, c, k_heads, x)).astype(np.float32)
+    pool_v = rng.normal(size=(num_pages, c, k_heads, x)).astype(np.float32)
+    q = (3 * rng.normal(size=(b, t, k_heads * g, x))).astype(np.float32)
+    last = np.array([t - 1, 5, 9, n * c - 1])  # each row's last query position
+    positions = (last[:, None] - np.arange(t)[::-1][None, :]).astype(np.int32)
+    out = jax.jit(paged_attention)(q, pool_k, pool_v, jnp.asarray(tables),
+                                   jnp.asarray(positions))
+    np.testing.assert_allclose(out, _oracle_attention(q, pool_k, pool_v, tables, positions),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_reference_decode_moves_nothing_but_the_gathered_pages():
+    """What XLA:CPU emits for the reference decode (T = 1, the engine's per-layer call): the
+    only transposes are the two fused into the gathers of keys and values (the view is built
+    in the layout the products read); queries, probabilities and outputs are not moved.
+    The reference before this layout emitted six per call (hardware-independent, XLA's own
+    program; JAX 0.10.2)."""
+    rng = np.random.default_rng(0)
+    num_pages, c, k_heads, x, b, n = 33, 16, 2, 64, 8, 4
+    pool = jnp.asarray(rng.normal(size=(num_pages, c, k_heads, x)), jnp.float32)
+    tables = jnp.asarray(_random_tables(rng, b, n, num_pages))
+    q = jnp.asarray(rng.normal(size=(b, 1, 14, x)), jnp.float32)
+    positions = jnp.full((b, 1), n * c - 1, jnp.int32)
+    hlo = jax.jit(paged_attention).lower(q, pool, pool, tables, positions).compile().as_text()
+    ops = [line for line in hlo.splitlines() if " transpose(" in line]
+    assert len(ops) == 2, "\n".join(ops)
+    assert hlo.count(" gather(") == 2 and hlo.count(" dot(") == 2
