@@ -24,21 +24,14 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory.", required=Tr
 def main(argv):
     del argv
     from pipelinerl_jax import run_config
-    from pipelinerl_jax.launch.roles import sft_evaluator
-    from pipelinerl_jax.learner.sft import run_sft
+    from pipelinerl_jax.launch.roles import evaluated_sft
     cfg = _CONFIG.value
     try:
         run_config.validate(cfg)
     except ConfigError as e:
         raise app.UsageError(f"invalid config: {e}") from None
     cfg = run_config.resolve(cfg)  # the derived values every role reads
-    evaluate = sft_evaluator(cfg)
-    try:
-        summary = run_sft(cfg, _WORKDIR.value, evaluate=evaluate)
-    finally:
-        if evaluate is not None:
-            evaluate.close()
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(evaluated_sft(cfg, _WORKDIR.value), indent=2))
 
 
 if __name__ == "__main__":

@@ -100,14 +100,7 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
         server.stop(grace=1.0)
         return 0
     if role == "sft":
-        from pipelinerl_jax.learner.sft import run_sft
-        evaluate = sft_evaluator(cfg)
-        try:
-            print(json.dumps(run_sft(cfg, workdir, progress=False, evaluate=evaluate)),
-                  flush=True)
-        finally:
-            if evaluate is not None:
-                evaluate.close()
+        print(json.dumps(evaluated_sft(cfg, workdir, progress=False)), flush=True)
         return 0
     if init_ckpt is None:
         with open(os.path.join(workdir, "init_checkpoint.txt")) as f:
@@ -158,32 +151,30 @@ def eval_outbox(cfg, workdir: str, init_ckpt: str):
                       cfg.learner.total_steps)
 
 
-def sft_evaluator(cfg):
-    """`evaluate(model, step) -> dict` for `run_sft`: held-out accuracy of the model's current
-    parameters (None if eval_size is 0). One engine serves every call (`close()` it after):
-    the first call loads it from the model, later ones install the parameters as version
-    `step`."""
-    if cfg.learner.eval_size <= 0:
-        return None
+def evaluated_sft(cfg, workdir: str, progress: bool = True) -> dict:
+    """`run_sft` with held-out accuracy of the model's current parameters as its `evaluate`
+    (none if eval_size is 0): one embedded evaluator engine serves every call (the first
+    loads it from the model, later ones install the parameters as version `step`) and is
+    closed when SFT ends."""
+    from pipelinerl_jax.learner.sft import run_sft
     held = {}
 
     def evaluate(model, step: int = 0):
         from pipelinerl_jax.models import flat_params
-        ev = held.get("ev")
-        if ev is None:
+        if "ev" not in held:
             from pipelinerl_jax.envs import build_task
             from pipelinerl_jax.rollout.evaluator import Evaluator
             from pipelinerl_jax.tokenizers import get_tokenizer
-            ev = held["ev"] = Evaluator.embedded(cfg, model, build_task(cfg),
-                                                 get_tokenizer(cfg.tokenizer))
-            return ev.run(0)
-        return ev(flat_params(model), step)
-
-    def close():
+            held["ev"] = Evaluator.embedded(cfg, model, build_task(cfg),
+                                            get_tokenizer(cfg.tokenizer))
+            return held["ev"].run(0)
+        return held["ev"](flat_params(model), step)
+    try:
+        return run_sft(cfg, workdir, progress=progress,
+                       evaluate=evaluate if cfg.learner.eval_size > 0 else None)
+    finally:
         if "ev" in held:
             held.pop("ev").close()
-    evaluate.close = close
-    return evaluate
 
 
 def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.Event) -> int:

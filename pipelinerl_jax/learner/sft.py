@@ -51,7 +51,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     """Trains `cfg.warm_start.steps` steps and saves `workdir/model`. Returns a summary dict.
 
     `evaluate(model, step) -> dict` (optional; e.g. held-out greedy accuracy,
-    `launch.roles.sft_evaluator`) is called at the end, and with `warm_start.target_accuracy`
+    `launch.roles.evaluated_sft` passes one) is called at the end, and with `warm_start.target_accuracy`
     set also every `warm_start.eval_every` steps: training stops at the first evaluation
     whose `eval/accuracy` reaches the target (`steps` is then the most it trains). Held-out
     accuracy climbs a cliff during SFT whose position moves with the seed and with last-bit
@@ -85,7 +85,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     target = s.get("target_accuracy") or 0.0
     gated = target > 0 and evaluate is not None
     t0 = time.time()
-    loss, trained, last_eval = float("nan"), 0, None
+    loss, trained, reached = float("nan"), 0, None
     for step in range(s.steps):
         rows = [next(demos) for _ in range(s.batch_size)]
         batch = batching.pack(rows, 0, **pack_kw)
@@ -101,10 +101,11 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
             bar.update(1)
         if gated and trained % s.eval_every == 0 and trained < s.steps:
             nnx.update(model, jax.device_get(state.params))
-            last_eval = (trained, evaluate(model, trained))
-            acc = last_eval[1]["eval/accuracy"]
-            writer.write(step, {"sft/eval_accuracy": acc, "wall_time_s": time.time() - t0})
-            if acc >= target:
+            result = evaluate(model, trained)
+            writer.write(step, {"sft/eval_accuracy": result["eval/accuracy"],
+                                "wall_time_s": time.time() - t0})
+            if result["eval/accuracy"] >= target:
+                reached = result  # (the model evaluated here is the one saved)
                 break
     if bar is not None:
         bar.close()
@@ -114,9 +115,7 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     summary = {"steps": s.steps, "stopped_at": trained, "final_loss": loss,
                "time_s": time.time() - t0, "checkpoint": out_dir}
     if evaluate is not None:
-        # (the model just evaluated at the step it stopped at is the one saved)
-        result = last_eval[1] if last_eval and last_eval[0] == trained else \
-            evaluate(model, trained)
+        result = reached if reached is not None else evaluate(model, trained)
         summary.update(result)
         if target > 0:
             summary["target_accuracy"] = target
