@@ -28,7 +28,6 @@ setup(
         "safetensors>=0.4,<1",
         "numpy>=1.26,<3",
         "matplotlib>=3.8,<4",
-        "tensorboardX>=2.6,<3",
         "tqdm>=4.66,<5",
     ],
     extras_require={
@@ -39,6 +38,9 @@ setup(
             "grpcio-tools>=1.85.1,<2",  # regenerates the proto modules (gen_proto)
             "cryptography>=42,<50",  # self-signed TLS pairs in tests
             "torch==2.13.0",
+            # TensorBoard's compiled protobuf classes decode our event files in a test (an
+            # oracle for pipelinerl_jax/tb_events.py) and scripts/bench_metrics.py's baseline
+            "tensorboardX>=2.6,<3",
             "peft>=0.21.2,<0.22",  # loads our exported LoRA adapters in the parity test
         ],
         # GPU hosts that launch SGLang servers; never needed on CPU.

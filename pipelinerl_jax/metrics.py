@@ -19,6 +19,8 @@ from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
+from pipelinerl_jax import tb_events
+
 
 def _jsonable(v):
     if isinstance(v, (np.generic,)):
@@ -37,11 +39,13 @@ class MetricsWriter:
     into one run's `tb/` (the learner, the evaluator) never pick the same file.
 
     TensorBoard events are written synchronously, one event per row holding all of its values,
-    and flushed to the OS with the row (a buffered write, no fsync), like `metrics.jsonl`. Not tensorboardX's `SummaryWriter`:
-    it puts every value through a bounded `multiprocessing.Queue` to a writer thread, so a
-    learner step's ~80 values cost dozens of thread hand-offs; on the staleness grid's one core
-    per run that cost 2.6x the wall time and 3.4x the CPU of writing the row in one event
-    (`scripts/bench_metrics.py`, BENCHMARKS.md)."""
+    and flushed to the OS with the row (a buffered write, no fsync), like `metrics.jsonl`, by
+    `tb_events` (no tensorboardX: its import pulls in torch where torch is installed). Not a
+    `SummaryWriter`-style queue: tensorboardX's puts every value through a bounded
+    `multiprocessing.Queue` to a writer thread, so a learner step's ~80 values cost dozens of
+    thread hand-offs; on the staleness grid's one core per run that cost 2.6x the wall time and
+    3.4x the CPU of writing the row in one event (`scripts/bench_metrics.py`, BENCHMARKS.md).
+    A list becomes a histogram of its finite values (none: no histogram)."""
 
     def __init__(self, workdir: str, filename: str = "metrics.jsonl", tensorboard: bool = True,
                  tb_suffix: str = ""):
@@ -50,9 +54,7 @@ class MetricsWriter:
         self._f = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
-            from tensorboardX.event_file_writer import EventsWriter  # optional until used
-            os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
-            self._tb = EventsWriter(os.path.join(workdir, "tb", "events"), tb_suffix)
+            self._tb = tb_events.EventFileWriter(os.path.join(workdir, "tb"), tb_suffix)
 
     def write(self, step: int, scalars: Dict[str, object]) -> None:
         """Appends `{"step", "time_unix", **scalars}`; `time_unix` (seconds since the epoch,
@@ -62,21 +64,18 @@ class MetricsWriter:
         self._f.write(json.dumps(record) + "\n")
         if self._tb is None:
             return
-        from tensorboardX import summary as tb_summary
-        from tensorboardX.proto import event_pb2
         values = []
         for k, v in scalars.items():
             k = k.replace("+", "plus")  # TensorBoard tags allow [A-Za-z0-9_./-] only
             if isinstance(v, (list, tuple, np.ndarray)):
                 arr = np.asarray(v, dtype=np.float64)
+                arr = arr[np.isfinite(arr)]
                 if arr.size:
-                    values.extend(tb_summary.histogram(k, arr, "auto").value)
+                    values.append(tb_events.histogram_value(k, arr))
             elif isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
-                values.extend(tb_summary.scalar(k, float(v)).value)
+                values.append(tb_events.scalar_value(k, float(v)))
         if values:
-            self._tb.write_event(event_pb2.Event(wall_time=record["time_unix"], step=int(step),
-                                                 summary=tb_summary.Summary(value=values)))
-        self._tb.flush()
+            self._tb.write(record["time_unix"], int(step), values)
 
     def close(self) -> None:
         self._f.close()

@@ -6,8 +6,13 @@ thread), on a row shaped like the learner's (`--scalars` scalars, two 64-value l
     PYTHONPATH=. python scripts/bench_metrics.py [--rows 200 --scalars 150]
     taskset -c 1 ...   # one core shared with other work: where the hand-offs hurt most
 
-Both take turns in rounds so that load drifting hits them alike. Prints ONE final JSON line:
-median wall and CPU milliseconds per row of each, and the ratios.
+Both take turns in rounds so that load drifting hits them alike. Also the start-up cost every
+learner and evaluator process pays: a fresh interpreter that opens a `MetricsWriter` and
+writes one row, against one that opens tensorboardX's `EventsWriter` (what `MetricsWriter`
+opened before `tb_events`; importing it imports torch where torch is installed), and against
+a bare `import numpy` (the floor), child CPU and wall per process, `--startup_rounds` each,
+interleaved. Prints ONE final JSON line: median wall and CPU milliseconds per row of each, the
+ratios, and the start-up medians.
 """
 from __future__ import annotations
 
@@ -15,6 +20,9 @@ import argparse
 import json
 import os
 import platform
+import resource
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -40,11 +48,43 @@ def tensorboardx_write(tb, step: int, row: dict) -> None:
             tb.add_scalar(k, float(v), step)
 
 
+STARTUP = {
+    "floor": "import numpy",
+    "ours": ("from pipelinerl_jax.metrics import MetricsWriter; w = MetricsWriter(D); "
+             "w.write(1, {'x': 1.0, 'h': [1, 2, 3]}); w.close()"),
+    "tensorboardx_events_writer": ("import numpy; from tensorboardX.event_file_writer import "
+                                   "EventsWriter; w = EventsWriter(D + '/events'); w.close()"),
+}
+
+
+def startup(rounds: int) -> dict:
+    """Median (wall s, child CPU s) of a fresh interpreter running each STARTUP snippet."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    got = {name: [] for name in STARTUP}
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(rounds):
+            for name, code in STARTUP.items():
+                sub = os.path.join(d, f"{name}{r}")
+                os.makedirs(sub)
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                t = time.perf_counter()
+                subprocess.run([sys.executable, "-c", f"D = {sub!r}; {code}"], env=env,
+                               check=True)
+                wall = time.perf_counter() - t
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+                got[name].append((wall, cpu))
+    return {name: {"wall_s": round(float(np.median([w for w, _ in v])), 3),
+                   "cpu_s": round(float(np.median([c for _, c in v])), 3)}
+            for name, v in got.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=200)
     p.add_argument("--scalars", type=int, default=150)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--startup_rounds", type=int, default=5)
     a = p.parse_args()
     from tensorboardX import SummaryWriter
     row = learner_row(a.scalars)
@@ -80,6 +120,10 @@ def main() -> None:
                cpu_ratio=round(res["tensorboardx"]["cpu_ms_per_row"]
                                / res["ours"]["cpu_ms_per_row"], 2),
                machine=platform.processor() or platform.machine(), cpus=os.cpu_count())
+    if a.startup_rounds:
+        res["startup"] = startup(a.startup_rounds)
+        for name, r in res["startup"].items():
+            print(f"start-up {name:27s} wall {r['wall_s']:6.3f} s   cpu {r['cpu_s']:6.3f} s")
     print(json.dumps(res))
 
 

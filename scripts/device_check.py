@@ -71,9 +71,9 @@ LIMITS = {"gpu": {"env": 40, "model": 125, "lora": 90, "engine": 105, "paged": 7
 TOTAL_S = {"gpu": 575, "cpu": 1320}
 GRACE_S = 20  # of a part's limit, between SIGTERM and SIGKILL
 # Distributions whose wheels `--download-wheels` fetches: the accelerator image (KINDS.md)
-# lacks the first three; the others it has, perhaps in a version outside setup.py's range.
+# lacks the first two; the others it has, perhaps in a version outside setup.py's range.
 # JAX, numpy, transformers & co. are the image's own and never replaced.
-CARRIED = ("ml-collections", "tensorboardX", "grpcio-health-checking", "grpcio", "protobuf",
+CARRIED = ("ml-collections", "grpcio-health-checking", "grpcio", "protobuf",
            "flax", "optax", "orbax-checkpoint")
 TRAIN_STEPS = {"gpu": 20, "cpu": 3}
 
@@ -214,7 +214,7 @@ print(json.dumps(out))
 # change) shows up here, named, before the parts run.
 MODULES = ("pipelinerl_jax.learner.loop", "pipelinerl_jax.rollout.jax_engine",
            "pipelinerl_jax.transport.queue_server", "pipelinerl_jax.launch", "ml_collections",
-           "tensorboardX")
+           "pipelinerl_jax.metrics")
 SITE = os.path.join(tempfile.gettempdir(), "device_check_site")
 
 
