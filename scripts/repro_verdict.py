@@ -9,7 +9,9 @@ the published ones, each claim checked, and reproduced / partly / not with the r
 `--results` takes committed-table folders (scripts/export_results.py), grid or run
 directories, several at once: runs are picked by their config (pipelinerl_jax/ablation/
 repro.py), so a phenomenon may combine its own grid with the full staleness grid's cells.
-Exits 0 whatever the verdict; 2 when a needed cell is missing.
+One verdict per learning rate among a phenomenon's runs (the regime it holds in; the study's
+drift subgrid runs a quarter of the main grid's rate). Exits 0 whatever the verdict; 2 when
+a phenomenon has no regime with every cell it needs.
 """
 import json
 import os
@@ -41,9 +43,10 @@ def main(argv):
         print(f"skipped: {p}", file=sys.stderr)
     missing = False
     for name in names:
-        v = repro.verdict(name, runs)
-        missing |= "missing" in v
-        print(json.dumps(v, default=str) if _JSON.value else repro.verdict_text(v) + "\n")
+        vs = repro.verdicts(name, runs)  # one per learning rate among its runs
+        missing |= all("missing" in v for v in vs)
+        for v in vs:
+            print(json.dumps(v, default=str) if _JSON.value else repro.verdict_text(v) + "\n")
     if _FIGURES.value:
         figures.make_all(_RESULTS.value, _FIGURES.value, only=[f"repro_{n}" for n in names],
                          log=lambda m: print(m, file=sys.stderr))

@@ -8,6 +8,12 @@ the full staleness grid and of its own repro grid, configs/repro/*.py); a phenom
 claims are each checked with the seed-paired 95% t-interval of stats.py, and the verdict is
 'reproduced' when every claim holds, 'partly' when some do, 'not' when none does (or
 'insufficient data' when a cell it needs is missing).
+
+A verdict holds in a regime: `verdicts(name, runs)` judges the phenomenon once per learning
+rate among its runs (the staleness study runs 2e-4 and the drift subgrid's 5e-5, where one
+version moves the policy ~an order of magnitude less), never pooling the two. Within one
+regime an arm, lag and seed is one run: two differently named runs there (e.g. two forms of
+one loss that the arm's rule failed to tell apart) are an error, not a silent replacement.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import numpy as np
 
 from pipelinerl_jax.ablation import stats
 from pipelinerl_jax.ablation.results import Run, summarize_run
-from pipelinerl_jax.ablation.staleness import Grid, cell_interval, lag_grid, per_seed, versus
+from pipelinerl_jax.ablation.staleness import Grid, cell_interval, per_seed, seed_of, versus
 
 UNCAPPED = 1e3  # a tis cap at or above this never binds here: unclipped importance weighting
 KL_WINDOW = 10  # steps averaged for the early and late KL
@@ -53,9 +59,10 @@ def _tinker_arm(r: Run) -> Optional[str]:
 
 
 def _m2po_arm(r: Run, long: bool = False) -> Optional[str]:
-    """m2po or capped tis, one minibatch; `long`: only the `:long` grid's runs (labelled
-    steps=N), else only runs without that axis (a 160-step run must not pool with, or
-    replace, the 60-step grid's run of the same loss, lag and seed)."""
+    """m2po in the paper's form (`m2po`), in the released code's (`m2po_released`), or capped
+    tis; one minibatch; `long`: only the `:long` grid's runs (labelled steps=N), else only
+    runs without that axis (a 160-step run must not pool with, or replace, the 60-step grid's
+    run of the same loss, lag and seed)."""
     name = r.get("loss.name")
     if _minibatches(r) != 1 or name not in ("m2po", "tis"):
         return None
@@ -63,6 +70,8 @@ def _m2po_arm(r: Run, long: bool = False) -> Optional[str]:
         return None
     if ("steps" in (r.labels or {})) != long:
         return None
+    if name == "m2po" and r.get("loss.form") == "released":
+        return "m2po_released"
     return name
 
 
@@ -170,25 +179,41 @@ def _unstable(cell: Dict[int, Run]) -> int:
     return sum(bool(summarize_run(r, None)["unstable"]) for r in cell.values())
 
 
+M2PO_FORMS = ("m2po", "m2po_released")
+
+
 def measure_m2po(grid: Grid) -> dict:
-    lags = sorted(set(grid.get("m2po", {})) & set(grid.get("tis", {})))
+    """Each m2po form present (the paper's, the released code's) against capped tis at the
+    largest lag >= 32 they share: the form shows no significant drop and no unstable run
+    there; tis falls below its lag 0 or below every form present."""
+    forms = [f for f in M2PO_FORMS if f in grid]
+    lags = sorted(set(grid.get("tis", {})).intersection(*[set(grid[f]) for f in forms])) \
+        if forms else []
     big = [k for k in lags if k >= 32] or [k for k in lags if k > 0]
-    missing = _missing(grid, {"m2po": (0,), "tis": (0,)}) + ([] if big else ["a lag >= 32"])
+    missing = (_missing(grid, {f: (0,) for f in forms or ["m2po"]}) + _missing(grid, {"tis": (0,)})
+               + ([] if big else ["a lag >= 32"]))
     if missing:
         return {"missing": missing}
     k = max(big)
-    rows = [_acc_row(grid, arm, lag) for arm in ("m2po", "tis") for lag in lags]
+    rows = [_acc_row(grid, arm, lag) for arm in forms + ["tis"] for lag in lags]
     for row in rows:
         row["unstable_runs"] = _unstable(grid[row["arm"]][row["lag"]])
-    m2, ti = (next(r for r in rows if r["arm"] == a and r["lag"] == k) for a in ("m2po", "tis"))
-    head = versus(grid["m2po"][k], grid["tis"][k])
-    steps = min(int(r.get("learner.total_steps", 0)) for r in grid["m2po"][k].values())
-    claims = {f"m2po at lag {k}: no significant drop vs lag 0, no unstable run":
-              m2["_cmp"].verdict != "worse" and m2["unstable_runs"] == 0,
-              f"tis at lag {k}: significantly below its lag 0 or below m2po at lag {k}":
-              ti["_cmp"].verdict == "worse" or head.verdict == "better"}
-    extra = {f"m2po - tis at lag {k}": f"{100 * head.diff:+.1f} ± {100 * head.half:.1f} pts "
-                                       f"({head.verdict})"}
+    at_k = {row["arm"]: row for row in rows if row["lag"] == k}
+    heads = {f: versus(grid[f][k], grid["tis"][k]) for f in forms}
+    claims = {f"{f} at lag {k}: no significant drop vs lag 0, no unstable run":
+              at_k[f]["_cmp"].verdict != "worse" and at_k[f]["unstable_runs"] == 0
+              for f in forms}
+    claims[f"tis at lag {k}: significantly below its lag 0 or below "
+           f"{' and '.join(forms)} at lag {k}"] = \
+        at_k["tis"]["_cmp"].verdict == "worse" or all(h.verdict == "better"
+                                                       for h in heads.values())
+    extra = {f"{f} - tis at lag {k}": f"{100 * h.diff:+.1f} ± {100 * h.half:.1f} pts "
+                                      f"({h.verdict})" for f, h in heads.items()}
+    if len(forms) == 2:
+        c = versus(grid["m2po_released"][k], grid["m2po"][k])
+        extra[f"m2po_released - m2po at lag {k}"] = (f"{100 * c.diff:+.1f} ± {100 * c.half:.1f}"
+                                                     f" pts ({c.verdict})")
+    steps = min(int(r.get("learner.total_steps", 0)) for f in forms for r in grid[f][k].values())
     if steps <= k:
         extra["warning"] = f"runs of {steps} steps never train at lag {k} (lag = min(k, step))"
     return {"lag": k, "rows": rows, "claims": claims, "extra": extra}
@@ -260,13 +285,37 @@ RULE = ("reproduced: every claim holds; partly: some do (for tinker_kl, one of t
         "final held-out accuracy excludes 0 (n = seeds, n-1 df).")
 
 
-def verdict(name: str, runs: Sequence[Run]) -> dict:
-    """Measures phenomenon `name` on `runs` and judges it; see RULE."""
+def learning_rate(r: Run) -> float:
+    lr = r.get("learner.optimizer.learning_rate")
+    return float(lr) if lr is not None else math.nan
+
+
+def arm_grids(name: str, runs: Sequence[Run]) -> Dict[float, Grid]:
+    """{learning rate: {arm: {lag: {seed: run}}}} of the runs phenomenon `name` picks, in
+    increasing order of learning rate. A slot taken by two differently named runs raises
+    ValueError naming both (a rerun of the same run, loaded twice, replaces itself)."""
     if name not in PHENOMENA:
         raise KeyError(f"unknown phenomenon {name!r}; valid: {sorted(PHENOMENA)}")
+    classify = PHENOMENA[name].classify
+    grids: Dict[float, Grid] = {}
+    for r in runs:
+        arm = classify(r)
+        if arm is None or not r.get("lag_injection.enabled", False) or not r.evals:
+            continue
+        cell = grids.setdefault(learning_rate(r), {}).setdefault(arm, {}).setdefault(
+            int(r.get("lag_injection.k", 0)), {})
+        seed = seed_of(r)
+        if seed in cell and cell[seed].name != r.name:
+            raise ValueError(f"{name}: runs {cell[seed].name!r} ({cell[seed].path}) and "
+                             f"{r.name!r} ({r.path}) are both arm {arm!r}, lag "
+                             f"{r.get('lag_injection.k', 0)}, seed {seed} at learning rate "
+                             f"{learning_rate(r):g}")
+        cell[seed] = r
+    return dict(sorted(grids.items()))
+
+
+def _judge(name: str, grid: Grid) -> dict:
     ph = PHENOMENA[name]
-    grid = lag_grid(runs, key=lambda r: ph.classify(r) or "")
-    grid.pop("", None)
     m = ph.measure(grid)
     out = {"name": name, "title": ph.title, "source": ph.source, "published": ph.published,
            "rule": RULE}
@@ -284,9 +333,31 @@ def verdict(name: str, runs: Sequence[Run]) -> dict:
     return out
 
 
+def verdicts(name: str, runs: Sequence[Run]) -> List[dict]:
+    """Phenomenon `name` judged once per learning rate among its runs (see RULE), each
+    verdict carrying its `learning_rate` and `regime`; one 'insufficient data' verdict when
+    no run is the phenomenon's."""
+    grids = arm_grids(name, runs)
+    if not grids:
+        return [_judge(name, {})]
+    return [dict(_judge(name, grid), learning_rate=lr, regime=f"lr={lr:g}")
+            for lr, grid in grids.items()]
+
+
+def verdict(name: str, runs: Sequence[Run]) -> dict:
+    """The verdict of `name` on runs of one learning rate (`verdicts` for several)."""
+    vs = verdicts(name, runs)
+    if len(vs) > 1:
+        raise ValueError(f"{name}: runs at {len(vs)} learning rates "
+                         f"({', '.join(v['regime'] for v in vs)}): use verdicts()")
+    return vs[0]
+
+
 def verdict_text(v: dict) -> str:
     """The verdict as plain text: our numbers beside the published claim, claims, verdict."""
-    lines = [f"# {v['title']} ({v['name']})", f"published ({v['source']}): {v['published']}"]
+    regime = f", {v['regime']}" if "regime" in v else ""
+    lines = [f"# {v['title']} ({v['name']}{regime})",
+             f"published ({v['source']}): {v['published']}"]
     if "missing" in v:
         return "\n".join(lines + [f"verdict: {v['verdict']} (missing: "
                                   f"{', '.join(v['missing'])})"])

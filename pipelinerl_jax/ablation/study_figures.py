@@ -120,13 +120,6 @@ def _h(c: dict) -> float:
     return c["half"] if math.isfinite(c["half"]) else 0.0
 
 
-def _arm_grid(name: str, runs: Sequence[Run]):
-    ph = repro.PHENOMENA[name]
-    grid = lag_grid(runs, key=lambda r: ph.classify(r) or "")
-    grid.pop("", None)
-    return grid
-
-
 def _accuracy_vs_lag(ax, grid) -> None:
     lags = sorted({k for cells in grid.values() for k in cells})
     for i, ((arm, by_lag), color) in enumerate(zip(sorted(grid.items()), colors(len(grid)))):
@@ -142,34 +135,46 @@ def _accuracy_vs_lag(ax, grid) -> None:
 
 
 def _repro(name: str, runs: Sequence[Run], out: str, kl: bool = False) -> dict:
-    v = repro.verdict(name, runs)
-    if "missing" in v:
-        raise Skip(f"needs {', '.join(v['missing'])} (configs/repro/{name}.py)")
-    grid = _arm_grid(name, runs)
-    fig, axes = plt.subplots(1, 2 if kl else 1, figsize=(11 if kl else 6, 4.2), squeeze=False)
-    _accuracy_vs_lag(axes[0, -1], grid)
-    axes[0, -1].set_title(f"{name}: {v['verdict']} (mean, 95% t over seeds)", fontsize=10)
-    if kl:
-        ax = axes[0, 0]
-        for (arm, by_lag), color in zip(sorted(grid.items()), colors(len(grid))):
-            for k, ls in ((0, ":"), (v["lag"], "-")):
-                series = [r.series("loss/kl_k3") for r in by_lag.get(k, {}).values()]
-                if not series:
-                    continue
-                steps = sorted(set.intersection(*[set(s.tolist()) for s, _, _ in series]))
-                ivs = [stats.t_interval([float(val[list(s).index(t)]) for s, _, val in series])
-                       for t in steps]
-                m = np.asarray([i.mean for i in ivs])
-                h = np.asarray([_half(i) for i in ivs])
-                ax.plot(steps, m, ls=ls, color=color, lw=1.4, label=f"{arm}, lag {k}")
-                ax.fill_between(steps, np.maximum(m - h, 1e-12), m + h, color=color, alpha=0.15)
-        ax.set(yscale="log", xlabel="learner step", ylabel="KL(behaviour || current), k3",
-               title="sampler-trainer drift (mean, 95% t band)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    """One column per learning rate with every cell the phenomenon needs (its regime):
+    accuracy vs lag per arm, and for `kl` the arms' KL over training above it."""
+    grids = repro.arm_grids(name, runs)
+    judged = [(v, grids.get(v.get("learning_rate"), {})) for v in repro.verdicts(name, runs)]
+    judged = [(v, g) for v, g in judged if "missing" not in v]
+    if not judged:
+        missing = repro.verdicts(name, runs)[0].get("missing", [])
+        raise Skip(f"needs {', '.join(missing)} (configs/repro/{name}.py)")
+    rows = 2 if kl else 1
+    fig, axes = plt.subplots(rows, len(judged), figsize=(6 * len(judged), 4.2 * rows),
+                             squeeze=False)
+    for col, (v, grid) in enumerate(judged):
+        _accuracy_vs_lag(axes[-1, col], grid)
+        axes[-1, col].set_title(f"{name}, {v['regime']}: {v['verdict']} (mean, 95% t over "
+                                f"seeds)", fontsize=10)
+        if kl:
+            _kl_over_training(axes[0, col], grid, v["lag"])
     fig.tight_layout()
-    return {"path": save(fig, out, f"repro_{name}"), "verdict": v["verdict"],
-            "claims": v["claims"]}
+    return {"path": save(fig, out, f"repro_{name}"),
+            "regimes": {v["regime"]: {"verdict": v["verdict"], "claims": v["claims"]}
+                        for v, _ in judged}}
+
+
+def _kl_over_training(ax, grid, lag: int) -> None:
+    for (arm, by_lag), color in zip(sorted(grid.items()), colors(len(grid))):
+        for k, ls in ((0, ":"), (lag, "-")):
+            series = [r.series("loss/kl_k3") for r in by_lag.get(k, {}).values()]
+            if not series:
+                continue
+            steps = sorted(set.intersection(*[set(s.tolist()) for s, _, _ in series]))
+            ivs = [stats.t_interval([float(val[list(s).index(t)]) for s, _, val in series])
+                   for t in steps]
+            m = np.asarray([i.mean for i in ivs])
+            h = np.asarray([_half(i) for i in ivs])
+            ax.plot(steps, m, ls=ls, color=color, lw=1.4, label=f"{arm}, lag {k}")
+            ax.fill_between(steps, np.maximum(m - h, 1e-12), m + h, color=color, alpha=0.15)
+    ax.set(yscale="log", xlabel="learner step", ylabel="KL(behaviour || current), k3",
+           title="sampler-trainer drift (mean, 95% t band)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def repro_tinker_kl(runs: Sequence[Run], out: str) -> dict:

@@ -1,6 +1,7 @@
 """The staleness study's tables (staleness.py) and the repro verdicts (repro.py,
 scripts/repro_verdict.py) on synthetic runs exported to committed tables (CSV), so the
 whole path CSV -> runs -> verdict is what is tested."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -112,6 +113,59 @@ def test_m2po_and_decoupled_verdicts(tmp_path):
     grid = staleness.lag_grid(runs)
     assert repro.tolerance(grid["decoupled_ppo"]) == 8 and repro.tolerance(grid["ppo"]) == 0
     assert _verdict("tinker_kl", folder)["verdict"] == "insufficient data"
+
+
+def test_m2po_forms_and_learning_rates_are_judged_apart(tmp_path):
+    """Both m2po forms (loss.name 'm2po', told apart by loss.form) and a second learning rate
+    in one set of runs: each form is an arm, each learning rate a regime with its own verdict.
+    Before, the released form and the other rate's runs took the same (arm, lag, seed) slots
+    and silently replaced the main grid's runs."""
+    low = {"lr": 5e-5}
+    folder = _tables(tmp_path / "both", [
+        ("m2po", "m2po", {0: {}, 32: dict(drop=0.005)}, {}),
+        ("m2po_released", "m2po", {0: {}, 32: dict(drop=0.10)}, {"form": "released"}),
+        ("tis", "tis", {0: {}, 32: dict(drop=0.06)}, {}),
+        ("m2po_lowlr", "m2po", {0: {}, 32: {}}, low),
+        ("tis_lowlr", "tis", {0: {}, 32: {}}, low)])
+    runs, _ = results.load_runs([folder])
+    vs = repro.verdicts("m2po_stale", runs)
+    assert [v["regime"] for v in vs] == ["lr=5e-05", "lr=0.0001"]
+    low_v, main_v = vs
+    # main: the paper form holds at lag 32, the released form drops 10 points: partly
+    assert main_v["verdict"] == "partly", repro.verdict_text(main_v)
+    assert {r["arm"] for r in main_v["rows"]} == {"m2po", "m2po_released", "tis"}
+    assert all(r["seeds"] == 3 for r in main_v["rows"])
+    claims = main_v["claims"]
+    assert claims["m2po at lag 32: no significant drop vs lag 0, no unstable run"]
+    assert not claims["m2po_released at lag 32: no significant drop vs lag 0, no unstable run"]
+    assert "m2po_released - m2po at lag 32" in main_v["extra"]
+    # low rate: tis does not drop there, so only the m2po claim holds
+    assert low_v["verdict"] == "partly" and set(r["arm"] for r in low_v["rows"]) == {"m2po", "tis"}
+    text = repro.verdict_text(main_v)
+    assert text.startswith("# M2PO") and "(m2po_stale, lr=0.0001)" in text.splitlines()[0]
+    with pytest.raises(ValueError, match="2 learning rates"):
+        repro.verdict("m2po_stale", runs)
+    # the script prints one verdict per regime
+    done = subprocess.run([sys.executable, "scripts/repro_verdict.py", "--name=m2po_stale",
+                           f"--results={folder}"], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("verdict: partly") == 2 and "lr=5e-05" in done.stdout
+
+
+def test_two_runs_in_one_slot_are_an_error_not_a_replacement(tmp_path):
+    root = str(tmp_path / "grid")
+    for name, cap in (("tis_a", 2.0), ("tis_b", 3.0)):  # both capped tis: one m2po_stale arm
+        synthetic.write_run(os.path.join(root, "runs", name), loss="tis", injected=True, k=0,
+                            seed=0, steps=8, cap=cap,
+                            labels={"loss": name, "lag": "0", "seed": "0"})
+    runs, _ = results.load_runs([root])
+    with pytest.raises(ValueError, match="both arm 'tis', lag 0, seed 0"):
+        repro.arm_grids("m2po_stale", runs)
+    # the same run met twice (a rerun, or its directory and its committed table) is one run
+    a = next(r for r in runs if "loss=tis_a" in r.name)
+    grids = repro.arm_grids("m2po_stale", [a, dataclasses.replace(a, path="elsewhere")])
+    assert grids[1e-4]["tis"][0][0].path == "elsewhere"
 
 
 def test_accuracy_table_and_ess_analysis(tmp_path):
