@@ -27,6 +27,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from pipelinerl_jax.transport.wire import FIXED32, FIXED64, VARINT, len_field, varint
+
 
 def _crc_table():
     table = []
@@ -62,23 +64,10 @@ def tfrecord(data: bytes) -> bytes:
             + struct.pack("<I", masked_crc32c(data)))
 
 
-# --- protobuf wire format ----------------------------------------------------------------
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # int64: negative values as their 64-bit two's complement
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
+# --- protobuf wire format (varints and length prefixes: transport/wire.py) ------------------
 
 def _key(field: int, wire_type: int) -> bytes:
-    return _varint((field << 3) | wire_type)
+    return varint((field << 3) | wire_type)
 
 
 # proto3 leaves a field at its default (0, +0.0, empty) off the wire; so do these, so that
@@ -86,20 +75,21 @@ def _key(field: int, wire_type: int) -> bytes:
 
 def _double(field: int, value: float) -> bytes:
     raw = struct.pack("<d", value)
-    return _key(field, 1) + raw if raw != bytes(8) else b""
+    return _key(field, FIXED64) + raw if raw != bytes(8) else b""
 
 
 def _float(field: int, value: float) -> bytes:
     raw = struct.pack("<f", value)
-    return _key(field, 5) + raw if raw != bytes(4) else b""
+    return _key(field, FIXED32) + raw if raw != bytes(4) else b""
 
 
 def _int(field: int, value: int) -> bytes:
-    return _key(field, 0) + _varint(value) if value else b""
+    """int64: a negative value as its 64-bit two's complement (ten bytes)."""
+    return _key(field, VARINT) + varint(value & (1 << 64) - 1) if value else b""
 
 
 def _bytes(field: int, value: bytes) -> bytes:
-    return _key(field, 2) + _varint(len(value)) + value if value else b""
+    return len_field(field, len(value)) + value if value else b""
 
 
 def _packed_doubles(field: int, values: np.ndarray) -> bytes:
@@ -131,7 +121,7 @@ def event(wall_time: float, step: int = 0, summary_values: Iterable[bytes] = (),
     out = _double(1, wall_time) + _int(2, int(step))
     if file_version is not None:
         out += _bytes(3, file_version.encode())
-    return out + _bytes(5, b"".join(_key(1, 2) + _varint(len(v)) + v for v in summary_values))
+    return out + _bytes(5, b"".join(len_field(1, len(v)) + v for v in summary_values))
 
 
 class EventFileWriter:

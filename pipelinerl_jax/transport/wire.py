@@ -1,8 +1,9 @@
-"""Protobuf wire-format primitives for the two places that frame messages by hand.
+"""Protobuf wire-format primitives for the places that frame messages by hand.
 
 The queue concatenates stored rollout bytes into `GetBatchResponse` pieces and the weight
 stream writes/reads `WeightChunk` frames around tensor memory; both would otherwise pay for
-extra copies through protobuf messages. Only what they need is here: varints, the tag of a
+extra copies through protobuf messages. `tb_events.py` encodes TensorBoard events with them
+(so that writing metrics needs no protobuf classes). Only what they need is here: varints, the tag of a
 field, and a bounds-checked varint reader that raises `WireError` (never IndexError) on
 truncated or overlong input.
 """
