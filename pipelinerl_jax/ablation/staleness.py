@@ -339,7 +339,13 @@ def resolution(rows: Sequence[dict], goal: float = 0.05) -> List[dict]:
             continue
         halves = np.asarray([r["half"] for r in rs])
         mdes = np.asarray([r["mde"] for r in rs])
+        # seeds each comparison needs for a half-width <= goal at its own SD (an estimate from
+        # few seeds: the largest of many such estimates runs high)
+        need = np.asarray([stats.seeds_for_half_width(r["sd"], goal) or math.inf for r in rs])
         out.append({"lag": k, "comparisons": len(rs), "seeds": min(r["n"] for r in rs),
+                    "seeds_needed_median": _finite(np.median(need)),
+                    "seeds_needed_p90": _finite(np.percentile(need, 90, method="higher")),
+                    "seeds_needed_max": _finite(need.max()),
                     "pooled_sd": float(np.sqrt(np.mean(np.square([r["sd"] for r in rs])))),
                     "half_median": float(np.median(halves)), "half_max": float(halves.max()),
                     "mde_median": float(np.median(mdes)), "mde_max": float(mdes.max()),
@@ -349,22 +355,36 @@ def resolution(rows: Sequence[dict], goal: float = 0.05) -> List[dict]:
     return out
 
 
+def _finite(x) -> Optional[float]:
+    """A float, or None where it is not finite (JSON has no infinity)."""
+    return float(x) if math.isfinite(x) else None
+
+
+def _count(x: Optional[float]) -> str:
+    return "-" if x is None else f"{math.ceil(x)}"
+
+
 def resolution_markdown(rows: Sequence[dict], scale: float = 100.0,
                         metric: str = "final held-out accuracy") -> str:
     summary = resolution(rows)
     out = ["| lag | comparisons | seeds | SD of paired diff | 95% half-width median / max | "
-           "MDE (80% power) median / max | half-width <= 5 pts | significant | expected by "
-           "chance |", "|---|---|---|---|---|---|---|---|---|"]
+           "MDE (80% power) median / max | half-width <= 5 pts | seeds each comparison needs "
+           "for it, median / p90 / max | significant | expected by chance |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         out.append(f"| {r['lag']} | {r['comparisons']} | {r['seeds']} | "
                    f"{r['pooled_sd'] * scale:.1f} | {r['half_median'] * scale:.1f} / "
                    f"{r['half_max'] * scale:.1f} | {r['mde_median'] * scale:.1f} / "
                    f"{r['mde_max'] * scale:.1f} | {'yes' if r['goal_met'] else 'no'} | "
+                   f"{_count(r['seeds_needed_median'])} / {_count(r['seeds_needed_p90'])} / "
+                   f"{_count(r['seeds_needed_max'])} | "
                    f"{r['significant']} | {r['expected_false_positives']:.1f} |")
     n = sum(r["comparisons"] for r in summary)
     out += ["", f"Every pair of arms at each lag >= 4, {metric}, paired by seed "
                 f"(points). MDE: the smallest true difference the paired t-test detects with "
-                f"80% power at 5% two-sided. {n} comparisons: at a 5% level ~{0.05 * n:.0f} "
+                f"80% power at 5% two-sided. Seeds needed: per comparison, the fewest seeds "
+                f"whose paired 95% half-width at that comparison's SD is <= 5 points "
+                f"(stats.seeds_for_half_width). {n} comparisons: at a 5% level ~{0.05 * n:.0f} "
                 f"would come out significant by chance alone if no loss differed."]
     return "\n".join(out)
 

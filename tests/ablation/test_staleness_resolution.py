@@ -60,7 +60,10 @@ def test_pairwise_resolution_reports_half_width_and_mde(tmp_path):
     assert math.isclose(rows[0]["mde"], want_mde, rel_tol=1e-6)
     (res,) = staleness.resolution(rows)
     assert res["goal_met"] and res["significant"] == 1 and res["seeds"] == 8
-    assert "half-width <= 5 pts" in staleness.resolution_markdown(rows)
+    want = stats.seeds_for_half_width(np.std(d, ddof=1), 0.05)
+    assert res["seeds_needed_median"] == res["seeds_needed_max"] == want == 2  # SD ~0.005
+    text = staleness.resolution_markdown(rows)
+    assert "half-width <= 5 pts" in text and "| yes | 2 / 2 / 2 |" in text
 
 
 def test_min_detectable_effect_and_seeds_needed():
@@ -152,3 +155,17 @@ def test_curve_level_and_rescored_accuracy_are_alternative_metrics_of_the_same_r
     assert row["lag"] == 4 and row["n"] == 3
     assert math.isclose(row["diff"], np.mean([0.1 - 0.01 * s for s in (0, 1, 2)]))
     assert math.isclose(row["sd"], 0.01, rel_tol=1e-6)
+
+
+def test_resolution_says_how_many_seeds_each_comparison_needs():
+    rows = [{"lag": 4, "n": 5, "half": 0.04, "sd": sd, "mde": 0.05, "verdict": "n.s."}
+            for sd in (0.03, 0.06, 0.12)] + \
+        [{"lag": 8, "n": 5, "half": 0.04, "sd": math.nan, "mde": 0.05, "verdict": "n.s."}]
+    (r4,) = [r for r in staleness.resolution(rows) if r["lag"] == 4]
+    need = [stats.seeds_for_half_width(sd, 0.05) for sd in (0.03, 0.06, 0.12)]
+    assert need[0] < need[1] < need[2]  # the SD, not the current seeds, decides
+    assert (r4["seeds_needed_median"], r4["seeds_needed_max"]) == (need[1], need[2])
+    assert r4["seeds_needed_p90"] == need[2]  # the 90th percentile is one of the counts
+    (r8,) = [r for r in staleness.resolution(rows) if r["lag"] == 8]
+    assert r8["seeds_needed_max"] is None  # an SD that is not a number: "-" (JSON-safe)
+    assert f"| {need[1]} / " in staleness.resolution_markdown(rows)
