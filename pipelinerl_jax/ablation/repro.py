@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from pipelinerl_jax.ablation import stats
 from pipelinerl_jax.ablation.results import Run, summarize_run
-from pipelinerl_jax.ablation.staleness import Grid, cell_interval, per_seed, seed_of, versus
+from pipelinerl_jax.ablation.staleness import (Grid, by_learning_rate, cell_interval,
+                                               per_seed, versus)
 
 UNCAPPED = 1e3  # a tis cap at or above this never binds here: unclipped importance weighting
 KL_WINDOW = 10  # steps averaged for the early and late KL
@@ -285,33 +286,26 @@ RULE = ("reproduced: every claim holds; partly: some do (for tinker_kl, one of t
         "final held-out accuracy excludes 0 (n = seeds, n-1 df).")
 
 
-def learning_rate(r: Run) -> float:
-    lr = r.get("learner.optimizer.learning_rate")
-    return float(lr) if lr is not None else math.nan
-
-
 def arm_grids(name: str, runs: Sequence[Run]) -> Dict[float, Grid]:
     """{learning rate: {arm: {lag: {seed: run}}}} of the runs phenomenon `name` picks, in
-    increasing order of learning rate. A slot taken by two differently named runs raises
-    ValueError naming both (a rerun of the same run, loaded twice, replaces itself)."""
+    increasing order of learning rate (two differently named runs in one slot: ValueError)."""
     if name not in PHENOMENA:
         raise KeyError(f"unknown phenomenon {name!r}; valid: {sorted(PHENOMENA)}")
-    classify = PHENOMENA[name].classify
-    grids: Dict[float, Grid] = {}
-    for r in runs:
-        arm = classify(r)
-        if arm is None or not r.get("lag_injection.enabled", False) or not r.evals:
-            continue
-        cell = grids.setdefault(learning_rate(r), {}).setdefault(arm, {}).setdefault(
-            int(r.get("lag_injection.k", 0)), {})
-        seed = seed_of(r)
-        if seed in cell and cell[seed].name != r.name:
-            raise ValueError(f"{name}: runs {cell[seed].name!r} ({cell[seed].path}) and "
-                             f"{r.name!r} ({r.path}) are both arm {arm!r}, lag "
-                             f"{r.get('lag_injection.k', 0)}, seed {seed} at learning rate "
-                             f"{learning_rate(r):g}")
-        cell[seed] = r
-    return dict(sorted(grids.items()))
+    try:
+        return by_learning_rate(runs, key=PHENOMENA[name].classify)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def regimes(name: str, runs: Sequence[Run]) -> List[Tuple[Grid, dict]]:
+    """(grid, verdict) per learning rate among the runs of `name` (see RULE), each verdict
+    carrying its `learning_rate` and `regime`; one 'insufficient data' verdict, on an empty
+    grid, when no run is the phenomenon's."""
+    grids = arm_grids(name, runs)
+    if not grids:
+        return [({}, _judge(name, {}))]
+    return [(grid, dict(_judge(name, grid), learning_rate=lr, regime=f"lr={lr:g}"))
+            for lr, grid in grids.items()]
 
 
 def _judge(name: str, grid: Grid) -> dict:
@@ -334,14 +328,8 @@ def _judge(name: str, grid: Grid) -> dict:
 
 
 def verdicts(name: str, runs: Sequence[Run]) -> List[dict]:
-    """Phenomenon `name` judged once per learning rate among its runs (see RULE), each
-    verdict carrying its `learning_rate` and `regime`; one 'insufficient data' verdict when
-    no run is the phenomenon's."""
-    grids = arm_grids(name, runs)
-    if not grids:
-        return [_judge(name, {})]
-    return [dict(_judge(name, grid), learning_rate=lr, regime=f"lr={lr:g}")
-            for lr, grid in grids.items()]
+    """Phenomenon `name` judged once per learning rate among its runs (`regimes`)."""
+    return [v for _, v in regimes(name, runs)]
 
 
 def verdict(name: str, runs: Sequence[Run]) -> dict:

@@ -48,24 +48,38 @@ def seed_of(r: Run) -> int:
 
 
 def lag_grid(runs: Sequence[Run], key=loss_label) -> Grid:
-    """{loss label: {injected lag: {seed: run}}} of the lag-injected runs with evaluations
-    (a later run of the same loss, lag and seed replaces an earlier one)."""
+    """{key (the loss label): {injected lag: {seed: run}}} of the lag-injected runs with
+    evaluations; runs whose key is None are left out. The same run met twice (a rerun, or its
+    directory and its committed table) replaces itself; two differently named runs in one
+    slot raise ValueError naming both (a key that fails to tell two settings apart)."""
     grid: Grid = {}
     for r in runs:
         if not r.get("lag_injection.enabled", False) or not r.evals:
             continue
-        grid.setdefault(key(r), {}).setdefault(int(r.get("lag_injection.k", 0)), {})[
-            seed_of(r)] = r
+        arm = key(r)
+        if arm is None:
+            continue
+        k = int(r.get("lag_injection.k", 0))
+        cell = grid.setdefault(arm, {}).setdefault(k, {})
+        seed = seed_of(r)
+        if seed in cell and cell[seed].name != r.name:
+            raise ValueError(f"runs {cell[seed].name!r} ({cell[seed].path}) and {r.name!r} "
+                             f"({r.path}) are both arm {arm!r}, lag {k}, seed {seed}")
+        cell[seed] = r
     return grid
 
 
-def by_learning_rate(runs: Sequence[Run]) -> Dict[float, Grid]:
+def learning_rate(r: Run) -> float:
+    lr = r.get("learner.optimizer.learning_rate")
+    return float(lr) if lr is not None else math.nan
+
+
+def by_learning_rate(runs: Sequence[Run], key=loss_label) -> Dict[float, Grid]:
     """{learning rate: lag_grid of its runs}, in increasing order of learning rate."""
-    lrs = {}
+    lrs: Dict[float, List[Run]] = {}
     for r in runs:
-        lr = r.get("learner.optimizer.learning_rate")
-        lrs.setdefault(float(lr) if lr is not None else math.nan, []).append(r)
-    out = {lr: lag_grid(rs) for lr, rs in sorted(lrs.items())}
+        lrs.setdefault(learning_rate(r), []).append(r)
+    out = {lr: lag_grid(rs, key) for lr, rs in sorted(lrs.items())}
     return {lr: g for lr, g in out.items() if g}
 
 

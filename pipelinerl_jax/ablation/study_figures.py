@@ -137,11 +137,10 @@ def _accuracy_vs_lag(ax, grid) -> None:
 def _repro(name: str, runs: Sequence[Run], out: str, kl: bool = False) -> dict:
     """One column per learning rate with every cell the phenomenon needs (its regime):
     accuracy vs lag per arm, and for `kl` the arms' KL over training above it."""
-    grids = repro.arm_grids(name, runs)
-    judged = [(v, grids.get(v.get("learning_rate"), {})) for v in repro.verdicts(name, runs)]
-    judged = [(v, g) for v, g in judged if "missing" not in v]
+    regimes = repro.regimes(name, runs)
+    judged = [(v, g) for g, v in regimes if "missing" not in v]
     if not judged:
-        missing = repro.verdicts(name, runs)[0].get("missing", [])
+        missing = regimes[0][1].get("missing", [])
         raise Skip(f"needs {', '.join(missing)} (configs/repro/{name}.py)")
     rows = 2 if kl else 1
     fig, axes = plt.subplots(rows, len(judged), figsize=(6 * len(judged), 4.2 * rows),
