@@ -87,7 +87,10 @@ class SftProgress:
                             dynamic_ncols=True)
         if self.bar.n != rows[-1]["step"] + 1:
             self.bar.n = rows[-1]["step"] + 1
-            self.bar.set_postfix(loss=f"{rows[-1]['sft/loss']:.3f}")
+            # the last training row: an evaluation row (warm_start.eval_every) has no loss
+            loss = next((r["sft/loss"] for r in reversed(rows) if "sft/loss" in r), None)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.3f}")
             self.bar.refresh()
 
     def close(self, done: bool) -> None:
