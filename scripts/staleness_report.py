@@ -57,7 +57,17 @@ def main(argv):
                  staleness.resolution_markdown(
                      curve_rows, metric=f"mean held-out accuracy of the evaluations at steps "
                                         f">= {staleness.CURVE_FROM_STEP}"), ""]
-        rescored, extra = [], {"resolution_curve": staleness.resolution(curve_rows)}
+        # lags 1-2 sit outside the 5-point goal (stated at lags >= 4); their resolution is
+        # printed apart so that the goal's tables and counts stay the goal's
+        near_rows = [r for r in staleness.pairwise(main, staleness.curve_accuracy, min_lag=1)
+                     if r["lag"] in (1, 2)]
+        if near_rows:
+            curve += ["### Resolution of the curve level at lags 1-2 (outside the 5-point goal)",
+                      "", staleness.resolution_markdown(
+                          near_rows, metric=f"mean held-out accuracy of the evaluations at "
+                                            f"steps >= {staleness.CURVE_FROM_STEP}"), ""]
+        rescored, extra = [], {"resolution_curve": staleness.resolution(curve_rows),
+                               "resolution_curve_lags_1_2": staleness.resolution(near_rows)}
         if _REEVAL.value:
             fn, sizes = staleness.rescored_accuracy(_REEVAL.value)
             what = (f"final checkpoint re-scored on {'/'.join(map(str, sizes))} held-out "

@@ -394,7 +394,8 @@ def resolution_markdown(rows: Sequence[dict], scale: float = 100.0,
                    f"{_count(r['seeds_needed_max'])} | "
                    f"{r['significant']} | {r['expected_false_positives']:.1f} |")
     n = sum(r["comparisons"] for r in summary)
-    out += ["", f"Every pair of arms at each lag >= 4, {metric}, paired by seed "
+    lags = ", ".join(str(r["lag"]) for r in summary)
+    out += ["", f"Every pair of arms at lag {lags}, {metric}, paired by seed "
                 f"(points). MDE: the smallest true difference the paired t-test detects with "
                 f"80% power at 5% two-sided. Seeds needed: per comparison, the fewest seeds "
                 f"whose paired 95% half-width at that comparison's SD is <= 5 points "

@@ -66,6 +66,20 @@ def test_pairwise_resolution_reports_half_width_and_mde(tmp_path):
     assert "half-width <= 5 pts" in text and "| yes | 2 / 2 / 2 |" in text
 
 
+def test_resolution_of_the_near_lags_is_its_own_table(tmp_path):
+    # the report prints lags 1-2 apart from the goal's lags (>= 4): pairwise(min_lag=1) covers
+    # them, and each table's footnote names the lags it holds, not the goal's
+    flat = lambda s, k, st: 0.3 + 0.01 * s  # noqa: E731
+    worse = lambda s, k, st: 0.3 + 0.01 * s - 0.02 * k  # noqa: E731
+    grid = _grid(tmp_path, {"ppo": ("ppo", flat), "tis": ("tis", worse)}, lags=(0, 1, 2, 4))
+    assert [r["lag"] for r in staleness.pairwise(grid)] == [4]
+    near = [r for r in staleness.pairwise(grid, min_lag=1) if r["lag"] in (1, 2)]
+    assert [r["lag"] for r in near] == [1, 2]
+    assert "Every pair of arms at lag 1, 2," in staleness.resolution_markdown(near)
+    assert "Every pair of arms at lag 4," in staleness.resolution_markdown(
+        staleness.pairwise(grid))
+
+
 def test_min_detectable_effect_and_seeds_needed():
     # 10 seeds at the 3-seed grid's SD of 5.5 points: MDE ~5.5, half-width 3.9
     assert math.isclose(stats.min_detectable_effect(5.5, 10), 5.47, abs_tol=0.01)
