@@ -8,16 +8,22 @@ process start/exit, every queue restart a worker noticed)."""
 import collections
 import os
 import re
+import signal
+import zlib
 
+import numpy as np
 import pytest
 
+from pipelinerl_jax import types
+
 from tests.reliability.reliability_testlib import (
-    committed, events, finish, logs, max_step, pid_of, read_jsonl, sigkill, start_train, stop,
-    wait_for)
+    committed, events, finish, logs, max_step, pid_of, queue_client, read_jsonl, sigkill,
+    start_train, stop, wait_for)
 
 pytestmark = pytest.mark.slow
 
 TOTAL = 30
+BATCH_GROUPS = GROUP_SIZE = 2  # as in TINY_FLAGS
 FLAGS = (f"--config.learner.total_steps={TOTAL}", "--config.learner.checkpoint_every=2",
          "--config.learner.keep_checkpoints=3", "--config.max_lag=2",
          "--config.launch.max_worker_restarts=1", "--config.launch.max_queue_restarts=1",
@@ -26,43 +32,103 @@ FLAGS = (f"--config.learner.total_steps={TOTAL}", "--config.learner.checkpoint_e
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory, init_ckpt):
-    """Runs the fault sequence once; returns (workdir, {fault: learner step when injected})."""
+    """Runs the fault sequence once; returns (workdir, {fault: learner step when injected}).
+
+    Every fault is placed under a hold the test releases, never on a state caught between
+    polls: a SIGSTOPped rollout worker bounds what the learner can train (it trains what the
+    queue holds, then waits), so the run cannot reach its last step while the test looks."""
     workdir = str(tmp_path_factory.mktemp("chaos") / "run")
     proc = start_train(workdir, f"--config.warm_start.checkpoint={init_ckpt}", *FLAGS)
     at = {}
+    held = None
     try:
         # 1. A rollout worker dies mid-run. The learner then waits for data: the run pauses
-        #    until the restarted worker samples again, so the next faults land mid-run too.
+        #    until the restarted worker samples again.
         wait_for(lambda: max_step(workdir) >= 2, workdir, proc, what="step 2")
         at["worker"] = max_step(workdir)
         sigkill(pid_of(workdir, "worker0"))
         wait_for(lambda: len(_worker_nonces(workdir)) == 2, workdir, proc,
                  what="a batch from the restarted worker")
         # 2. The queue server dies with groups (and delivered, unacknowledged batches) in it.
+        #    The worker is held (SIGSTOP) the moment it has noticed the new queue: from then on
+        #    the learner trains only what the new queue holds and what this test puts in.
         at["queue"] = max_step(workdir)
         sigkill(pid_of(workdir, "queue"))
         wait_for(lambda: [e for e in events(workdir) if e["event"] == "queue_restart"],
                  workdir, proc, what="the worker noticing the new queue")
-        # 3. The learner dies after a checkpoint made since the queue came back: the new queue
-        #    holds delivered, unacknowledged batches that the restarted learner gets again.
-        # (At an odd step: its batch is trained, not yet covered by a checkpoint, so it is
-        # outstanding in the queue when the learner dies.)
-        wait_for(lambda: max_step(workdir) >= at["queue"] + 4 and max_step(workdir) % 2 and
-                 committed(workdir, (at["queue"] // 2 + 1) * 2), workdir, proc,
-                 what="a checkpoint after the queue restart")
-        at["learner"] = max_step(workdir)
+        held = pid_of(workdir, "worker0")
+        os.kill(held, signal.SIGSTOP)
+        # 3. The learner dies at an odd step, at least 4 steps after the queue restart and
+        #    after a checkpoint made since then: its last batch is trained, not covered by a
+        #    checkpoint, so the new queue redelivers it to the restarted learner. The test
+        #    steps the learner one batch at a time by putting whole groups into the queue.
+        with queue_client(workdir) as client:
+            injected = 0
+            while True:
+                step = wait_for(lambda: _learner_idle(workdir, client), workdir, proc,
+                                what="the learner waiting for data")
+                if step >= at["queue"] + 4 and step % 2 and committed(workdir, step - 1):
+                    break
+                assert step < TOTAL - 1, f"no room left to kill the learner: {at}, step {step}"
+                need = BATCH_GROUPS - client.stats()["ready_groups"]
+                for _ in range(need):
+                    client.put_group(_group(f"held-{injected}", client.stats()["learner_version"]))
+                    injected += 1
+                wait_for(lambda: max_step(workdir) > step, workdir, proc,
+                         what=f"step {step + 1} on the groups the test put")
+        at["learner"] = step
         sigkill(pid_of(workdir, "learner"))
+        os.kill(held, signal.SIGCONT)
+        held = None
         code = finish(proc, workdir)
     finally:
+        if held is not None:
+            os.kill(held, signal.SIGCONT)
         stop(proc)
     assert code == 0, logs(workdir)
     assert at["learner"] < TOTAL, f"the run ended before the learner was killed: {at}"
     return workdir, at
 
 
+def _learner_idle(workdir, client):
+    """The learner's step once it has trained everything the queue delivered and the queue
+    holds no whole batch for it (with the worker held, nothing changes this any more);
+    None before. Steps start at 1, so an idle learner is truthy."""
+    stats = client.stats()
+    delivered = stats["batches_delivered"] + stats["batches_redelivered"]
+    handled = [b for b in read_jsonl(os.path.join(workdir, "batches.jsonl"))
+               if b["batch_id"].startswith(stats["server_id"])]
+    step = max_step(workdir)
+    if stats["ready_groups"] >= BATCH_GROUPS or len(handled) != delivered:
+        return None
+    if step != max((b["step"] for b in _trained(workdir)), default=0):
+        return None  # the last trained step's metrics row is not written yet
+    return step
+
+
+def _group(group_id: str, version: int) -> list:
+    """A whole group of valid rollouts sampled (so its provenance says) at `version`."""
+    rng = np.random.default_rng(zlib.crc32(group_id.encode()))
+    out = []
+    for i in range(GROUP_SIZE):
+        n = 4
+        out.append(types.Rollout(
+            prompt_ids=rng.integers(1, 40, 3).astype(np.int32),
+            completion_ids=rng.integers(1, 40, n).astype(np.int32),
+            logp_behaviour=np.full(n, -1.0, np.float32),
+            version=np.full(n, version, np.int32), kv_version=np.full(n, version, np.int32),
+            reward=float(i), advantage=float(i) - 0.5, group_id=group_id,
+            group_size=GROUP_SIZE, task_id="held", finish_reason="stop",
+            start_version=version, engine_id="test", submit_time=0.0, start_time=0.0,
+            finish_time=0.0))
+    return out
+
+
 def _worker_nonces(workdir):
-    """Worker incarnations whose groups were trained (group ids are 'w0-<nonce>-<seq>')."""
-    return {g.split("-")[1] for b in _trained(workdir) for g in b["group_ids"]}
+    """Worker incarnations whose groups were trained (group ids are 'w0-<nonce>-<seq>'; the
+    groups this test puts are 'held-<n>')."""
+    return {g.split("-")[1] for b in _trained(workdir) for g in b["group_ids"]
+            if g.startswith("w0-")}
 
 
 def _trained(workdir):
