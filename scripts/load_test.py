@@ -116,6 +116,10 @@ def main(argv=None) -> dict:
     p.add_argument("--max_lag", type=int, default=4)
     p.add_argument("--abandon_every", type=int, default=50)
     p.add_argument("--incomplete_group_timeout_s", type=float, default=2.0)
+    p.add_argument("--fill_first_s", type=float, default=0.0,
+                   help="before the timed phase, wait (at most this long) until the queue has "
+                        "refused a put as full: producers that start slowly (a loaded machine) "
+                        "still meet backpressure within a short run")
     args = p.parse_args(argv)
     duration = args.seconds if args.seconds is not None else 60.0 * (args.minutes or 3.0)
 
@@ -173,6 +177,11 @@ def main(argv=None) -> dict:
         learner.ack([batch.batch_id])
         version += 1
         return True
+
+    fill_deadline = time.monotonic() + args.fill_first_s
+    while args.fill_first_s and time.monotonic() < fill_deadline and \
+            learner.stats()["put_refused_full"] == 0:
+        time.sleep(0.1)
 
     t0 = time.monotonic()
     next_step = t0

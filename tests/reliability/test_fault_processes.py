@@ -63,19 +63,20 @@ def chaos(tmp_path_factory, init_ckpt):
         #    checkpoint, so the new queue redelivers it to the restarted learner. The test
         #    steps the learner one batch at a time by putting whole groups into the queue.
         with queue_client(workdir) as client:
-            injected = 0
-            while True:
+            for injected in range(4 * TOTAL):
                 step = wait_for(lambda: _learner_idle(workdir, client), workdir, proc,
                                 what="the learner waiting for data")
-                if step >= at["queue"] + 4 and step % 2 and committed(workdir, step - 1):
+                if step >= at["queue"] + 4 and step % 2:  # the learner waits; its save finishes
+                    wait_for(lambda: committed(workdir, step - 1), workdir, proc,
+                             what=f"checkpoint {step - 1}")
                     break
                 assert step < TOTAL - 1, f"no room left to kill the learner: {at}, step {step}"
-                need = BATCH_GROUPS - client.stats()["ready_groups"]
-                for _ in range(need):
-                    client.put_group(_group(f"held-{injected}", client.stats()["learner_version"]))
-                    injected += 1
-                wait_for(lambda: max_step(workdir) > step, workdir, proc,
-                         what=f"step {step + 1} on the groups the test put")
+                # One more whole group; the idle learner takes a batch once the queue holds
+                # BATCH_GROUPS fresh ones (a held worker's stale group is dropped on delivery,
+                # and then the learner is idle again at the same step).
+                client.put_group(_group(f"held-{injected}", client.stats()["learner_version"]))
+            else:
+                raise AssertionError(f"the learner never reached a step to kill it at: {at}")
         at["learner"] = step
         sigkill(pid_of(workdir, "learner"))
         os.kill(held, signal.SIGCONT)

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow
 def test_overload_is_bounded_pushed_back_and_loses_nothing():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "load_test.py"), "--seconds=8",
-         "--producers=2", "--abandon_every=20"],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ, PYTHONPATH=ROOT))
+         "--producers=2", "--abandon_every=20",
+         "--fill_first_s=120"],  # the timed phase starts once producers have met a full queue
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     # Memory stays within the bound: held rollouts/bytes, and the server's resident memory.
