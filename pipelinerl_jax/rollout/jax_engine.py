@@ -51,6 +51,7 @@ from pipelinerl_jax.rollout import engine_memory, engine_programs, engine_steps
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
 from pipelinerl_jax.rollout.jax_scheduler import SlotScheduler, buckets
+from pipelinerl_jax.rollout.kv_memory import DenseKV, PagedKV
 from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES
 from pipelinerl_jax.types import Completion, GenerationRequest
@@ -236,19 +237,22 @@ class JaxEngine(InferenceEngine):
                                              self.programs.cache),
                         out_shardings=self.programs.cache_sharding)
         replicated = self.programs.replicated
+        kv = (PagedKV(self.pages, cfg.steps_per_sync, bool(cfg.prefix_cache),
+                      0 if cfg.kv_policy == "recompute" else cfg.prefix_cache_max_lag,
+                      rows=buckets((), 8, cfg.max_slots))
+              if pool else DenseKV(cfg.max_slots, self.kv_budget))
         self.scheduler = SlotScheduler(
             self.programs.fns, initial, zeros(),  # (the cache born in its shardings)
             jax.device_put(engine_steps.empty_slots(cfg.max_slots, cfg.max_stop_tokens),
-                           replicated),
-            num_slots=cfg.max_slots, max_seq_len=cfg.max_seq_len, kv_budget=self.kv_budget,
+                           replicated), kv,
+            num_slots=cfg.max_slots, max_seq_len=cfg.max_seq_len,
             prefill_buckets=buckets(cfg.prefill_buckets, 16, cfg.max_seq_len),
             cache_buckets=buckets(cfg.cache_buckets, 64, cfg.max_seq_len),
             batch_buckets=buckets((), 1, cfg.max_prefill_batch),
             steps=cfg.steps_per_sync,
             refill=cfg.refill_threshold or max(1, cfg.max_slots // 8),
             max_stops=cfg.max_stop_tokens, kv_policy=cfg.kv_policy, seed=cfg.seed,
-            version=int(version), engine_id=engine_id, pages=self.pages,
-            prefix_cache=bool(cfg.prefix_cache), reuse_max_lag=cfg.prefix_cache_max_lag)
+            version=int(version), engine_id=engine_id)
         self.prefill_buckets = self.scheduler.prefill_buckets
         self.cache_buckets = self.scheduler.cache_buckets
         self.batch_buckets = self.scheduler.batch_buckets
