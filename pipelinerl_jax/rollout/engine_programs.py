@@ -16,7 +16,11 @@ Placement on the engine mesh (the accelerators its role is given, axes `('data',
 The Pallas TPU kernel runs per shard under `shard_map` (`models/paged_kernels.py`).
 
     progs = engine_programs(model_cfg, engine_cfg, mesh)   # no weights, no device memory
-    progs.fns.decode.lower(*progs.decode_args(rows=8), cache_len=256, rows=8).compile()
+    progs.fns.decode.lower(*progs.decode_args(8), cache_len=256, rows=8).compile()
+    progs.fns.prefill.lower(*progs.prefill_args(batch=4, length=128)).compile()
+
+(For a TPU topology from a CPU host: build and lower inside `with jax.default_device(<a
+topology device>)`, and pass the kernel's `block_sizes`.)
 
 `JaxEngine` builds itself from the same call, so what compiles here is what it runs.
 """
@@ -114,8 +118,9 @@ class EnginePrograms:
                 v, self.row_params(batch), *self._tables(batch))
 
     def decode_args(self, rows: Optional[int] = None) -> tuple:
-        """`fns.decode`'s positional arguments (paged: over the first `rows` slots; pass
-        `rows=` and `cache_len=` as keywords too)."""
+        """`fns.decode`'s positional arguments for a chunk over the first `rows` slots
+        (default: all); pass `rows=` (a row bucket: `SlotScheduler.row_buckets`; dense: all
+        slots) and `cache_len=` (a cache-length bucket) as keywords too."""
         return (self.params, self.cache, self.slots, self._arr((), np.int32),
                 *self._tables(rows or self.num_slots))
 
