@@ -22,10 +22,17 @@ def v5e():
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # (other processes may hold it)
     from jax.experimental import topologies
     try:
-        return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+        devices = topologies.get_topology_desc(platform="tpu",
+                                               topology_name="v5e:2x2").devices
     except Exception as e:  # noqa: BLE001 - reported with the fix, never skipped
         pytest.fail(f"no TPU topology from libtpu ({type(e).__name__}: {e}); install it with "
                     "pip install -e '.[tpu]'", pytrace=False)
+    # TPU executables compiled without a TPU client cannot go through the persistent cache
+    # the test session keeps for its CPU programs (compile_cache.py)
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield devices
+    jax.config.update("jax_enable_compilation_cache", cached)
 
 
 def test_paged_decode_compiles_for_tpu_with_the_kernel_per_shard(v5e):
