@@ -15,7 +15,8 @@ load hits all alike:
                      over the gRPC stream: the host-to-device half of a remote update).
 
 Reports each arm's median seconds and GB/s (parameter bytes / time) and checks every arm
-lands in the engine's shardings with the learner's values. `--smoke`: 2 layers, 2 rounds.
+lands in the engine's shardings with the learner's values. `--smoke`: 2 layers, a 1024-token
+vocabulary, 2 rounds.
 Prints one JSON line.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main():
     a = p.parse_args()
     rounds = a.rounds or (2 if a.smoke else 5)
     dtype = dtype_of(a.dtype)
-    cfg = config_qwen2_5_0_5b(**({"num_layers": 2} if a.smoke else {}))
+    cfg = config_qwen2_5_0_5b(**({"num_layers": 2, "vocab_size": 1024} if a.smoke else {}))
     cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     devices = jax.devices()
     learner_mesh = sharding.make_mesh((1, 2, 2), devices[:4])
@@ -94,7 +95,7 @@ def main():
             del out
     med = {k: float(np.median(v)) for k, v in times.items()}
     print(json.dumps({
-        "model": "qwen2.5-0.5b shape" + (" (2 layers)" if a.smoke else ""),
+        "model": "qwen2.5-0.5b shape" + (" (2 layers, vocab 1024)" if a.smoke else ""),
         "dtype": a.dtype, "param_bytes": int(nbytes), "tensors": len(names),
         "learner_mesh": "(1,2,2) on cpu:0-3", "engine_mesh": "(1,1,2) on cpu:4-5",
         "rounds": rounds, "learner_init_s": round(build_s, 2),
