@@ -78,7 +78,7 @@ def test_pages_beyond_a_row_and_other_rows_pages_are_never_read():
     nothing; scribbling on one of its visible positions does."""
     cfg = tiny_config()
     rng = np.random.default_rng(0)
-    num_pages, c, n = 12, 4, 3
+    num_pages, c = 12, 4
     tables = jnp.asarray(np.array([[7, 2, 9], [0, 11, 4]], np.int32))
     pool_k = jnp.asarray(rng.normal(size=(num_pages, c, cfg.num_kv_heads, cfg.head_dim)),
                          jnp.float32)
@@ -120,7 +120,7 @@ def _oracle_attention(q, pool_k, pool_v, tables, positions):
     values its page table lists, GQA head h reading kv head h // (H/K)."""
     q, pool_k, pool_v = (np.asarray(a, np.float64) for a in (q, pool_k, pool_v))
     b, t, h, x = q.shape
-    c, k_heads = pool_k.shape[1], pool_k.shape[2]
+    k_heads = pool_k.shape[2]
     out = np.zeros_like(q)
     for r in range(b):
         keys = np.concatenate([pool_k[p] for p in tables[r]])  # [S, K, X], position order
