@@ -49,26 +49,27 @@ def attention_program(graphdef, cfg, layout: str, cache_len: int):
         model = nnx.merge(graphdef, params)
         inv_freq = rope_frequencies(cfg)
         h_bd = jnp.take(model.embed[...], token_b, axis=0)
-        new_k, new_v = [], []
+        new = []
         for i, layer in enumerate(model.layers):
             if layout == "dense":
                 a, ck, cv = decode_step._attention(layer.attn, h_bd, pos_b, inv_freq,
                                                    cache.k[i], cache.v[i], cache_len)
+                new.append((ck, cv))
             else:
-                a, ck, cv = decode_step._paged_attention(layer.attn, h_bd, pos_b, inv_freq,
-                                                         cache.k[i], cache.v[i], tables_bn,
-                                                         n_pages)
+                a, pool = decode_step._paged_attention(layer.attn, h_bd, pos_b, inv_freq,
+                                                       cache.kv[i], tables_bn, n_pages)
+                new.append(pool)
             h_bd = h_bd + a
-            new_k.append(ck)
-            new_v.append(cv)
-        return h_bd, cache._replace(k=tuple(new_k), v=tuple(new_v))
+        if layout == "dense":
+            return h_bd, cache._replace(k=tuple(c[0] for c in new), v=tuple(c[1] for c in new))
+        return h_bd, cache._replace(kv=tuple(new))
     return jax.jit(step, donate_argnums=(1,))
 
 
 def _random(cache, rng):
     def fill(x):
         return jnp.asarray(rng.normal(size=x.shape), x.dtype)
-    return cache._replace(k=tuple(map(fill, cache.k)), v=tuple(map(fill, cache.v)))
+    return jax.tree.map(fill, cache)
 
 
 def main():

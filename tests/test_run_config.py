@@ -35,6 +35,7 @@ def test_default_and_quick_configs_validate():
     ("mesh.shape", (3, 1, 1), r"^learner\.batch_groups: .* mesh data\*fsdp = 3"),
     ("engine.kv_policy", "sometimes", r"engine\.kv_policy"),
     ("engine.prefix_cache_max_lag", -1, r"^engine\.prefix_cache_max_lag"),
+    ("engine.tensor_parallel", -2, r"^engine\.tensor_parallel"),
     ("sampling.top_p", 1.5, r"^sampling\.top_p"),
     ("sampler.kind", "vllm", r"^sampler\.kind"),
     ("resources.learner_cores", "0-x", r"^resources\.learner_cores"),

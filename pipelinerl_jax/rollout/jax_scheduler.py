@@ -7,36 +7,28 @@ One step (a background thread calls it in a loop, or a test calls it):
      `kv_policy='recompute'` every in-flight sample's prompt + generated tokens are
      re-prefilled with the new weights (AReaL style), with `'keep'` their KV stays
      (PipelineRL style);
-  2. admit queued samples, first come first served, into free slots while the KV budget
-     allows. Dense layout: a sample reserves `min(prompt + max_new_tokens, max_seq_len)`
-     tokens of `kv_budget_tokens` for its lifetime (conservative reservation, as SGLang's
-     scheduler does without retraction). Paged layout (`PageAllocator`): a sample is admitted
-     while the free pages cover its prompt and its first decode chunk plus the next chunk of
-     every running sample (the reserve), and holds only the pages it has written. Either
-     way a head-of-queue sample that does not fit blocks the queue, so long requests are
-     never starved by short ones. Admitted samples are prefilled together (grouped by
-     length, padded to a prompt-length bucket). Paged, `n > 1`: the samples of a request
-     share their prompt's pages and one prefill of it (`prompt_share.py`; admission counts
-     the shared pages once). Paged, prefix reuse (`prefix_cache.py`): a sample whose
-     sequence starts with pages written already — a finished sample's retained pages (the
-     previous turn of a multi-turn episode), or its group's live prompt for a preempted
-     sample of a group — maps them and prefills only the rest over them (`extend`);
-     retained pages count as free and are evicted before anything is refused or preempted;
+  2. admit queued samples, first come first served, into free slots while the KV memory
+     (`kv_memory.py`, dense or paged) says each fits; a head-of-queue sample that does not
+     fit blocks the queue, so long requests are never starved by short ones. Admitted
+     samples are prefilled together (grouped by length, padded to a prompt-length bucket),
+     or, the samples of a group on a shared prompt, started on it (`start`);
   3. one decode chunk: up to `steps_per_sync` decode steps for all slots in one device call,
      ending early, while samples are queued, once `refill_threshold` slots have finished
-     (their slots are refilled by the next step's batched prefill). Paged layout: before the
-     chunk every running sample gets the pages the chunk can write, oldest first; when the
-     pool runs dry the youngest running sample (latest submitted) is preempted: its pages are
+     (their slots are refilled by the next step's batched prefill). Before the chunk every
+     running sample grows its KV to what the chunk can write, oldest first; when the memory
+     is short the KV memory's victim (the youngest running sample) is preempted: its KV is
      freed, its slot released, and it goes back to the head of the queue with the tokens it
      generated, which its readmission re-prefills (recompute, as vLLM does) — a sample is
-     never failed for want of pages.
+     never failed for want of memory (the dense memory reserves a whole lifetime at
+     admission and never runs short).
 A sample is one of the `n` samples of a request; each finishes and is returned on its own.
 
 `JaxEngine` owns one `SlotScheduler` and talks to it through its public methods only. The
 scheduler owns everything a step touches: the device state (parameters, KV cache, slot
 state, the compiled programs), the host state guarded by its condition variable (queue,
-slots, KV reservations, live requests, outbox, versions and the pending update, the paused /
-closed / failed flags, counters), and the step mutex that serialises device work. The engine
+slots, the KV memory's bookkeeping, live requests, outbox, versions and the pending update,
+the paused / closed / failed flags, counters), and the step mutex that serialises device
+work. The engine
 keeps what comes before and after: request validation, turning weights into a parameter
 state, the loop thread, and the public API.
 """
@@ -56,9 +48,7 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
                                            check_version_order, completion_from_chunks,
                                            has_ready, take_ready)
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
-from pipelinerl_jax.rollout.page_allocator import PageAllocator
-from pipelinerl_jax.rollout.prefix_cache import PrefixCache, full_pages_written, min_version
-from pipelinerl_jax.rollout.prompt_share import PromptShare, shares
+from pipelinerl_jax.rollout.kv_memory import KVMemory, chunk_end
 from pipelinerl_jax.rollout.sampling import RowParams
 from pipelinerl_jax.types import Completion, GenerationRequest
 
@@ -102,22 +92,17 @@ class SlotScheduler:
     (module docstring). Every public method is thread-safe.
 
     `fns`: the compiled programs (`engine_steps.step_fns`); `params`, `cache`, `slots_dev`:
-    the initial device state; `shape`: `num_slots`, `max_seq_len`, `kv_budget`, the three
-    bucket tuples, `steps` (decode steps per chunk), `refill` (refill threshold),
-    `max_stops`, `kv_policy`, `seed` (of unseeded requests' seeds). `pages`: the paged
-    layout's allocator (then `cache` holds page pools and `kv_budget` is unused), None for
-    the dense layout. `prefix_cache` (paged only): keep finished samples' full pages for
-    reuse by later requests whose prompts start with their tokens (`prefix_cache.py`);
-    `reuse_max_lag`: how many versions older than the live one reused pages may be (keep).
+    the initial device state; `kv`: the KV memory (`kv_memory.py`: dense or paged, `cache`
+    is its device side); `num_slots`, `max_seq_len`, the three bucket tuples, `steps`
+    (decode steps per chunk), `refill` (refill threshold), `max_stops`, `kv_policy`, `seed`
+    (of unseeded requests' seeds).
     """
 
-    def __init__(self, fns, params, cache, slots_dev, *, num_slots: int, max_seq_len: int,
-                 kv_budget: int, prefill_buckets: tuple, cache_buckets: tuple,
+    def __init__(self, fns, params, cache, slots_dev, kv: KVMemory, *, num_slots: int,
+                 max_seq_len: int, prefill_buckets: tuple, cache_buckets: tuple,
                  batch_buckets: tuple, steps: int, refill: int, max_stops: int,
-                 kv_policy: str, seed: int, version: int, engine_id: str,
-                 pages: Optional[PageAllocator] = None, prefix_cache: bool = False,
-                 reuse_max_lag: int = 0):
-        self.num_slots, self.max_seq_len, self.kv_budget = num_slots, max_seq_len, kv_budget
+                 kv_policy: str, seed: int, version: int, engine_id: str):
+        self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.prefill_buckets, self.cache_buckets = prefill_buckets, cache_buckets
         self.batch_buckets = batch_buckets
         self.engine_id = engine_id
@@ -135,20 +120,14 @@ class SlotScheduler:
         self._version = int(version)
         self._newest_version = int(version)  # newest version accepted (live or pending)
         self._pending = None  # (params, version) waiting for the next step boundary
-        self._reserved = 0
+        self._kv = kv  # what each sample's K/V holds: admission, growth, release
         self._paused = self._closed = False
         self._error: Optional[str] = None
         self._seed_counter = 0
         self._stats = StatsWindow()
-        self._pages = pages
-        # paged: the n samples of a request share their prompt's pages (one prefill per group)
-        self._share = PromptShare(pages) if pages is not None else None
-        # paged: finished samples' full pages, reused by prompts that start with their tokens
-        self._retained = PrefixCache(pages) if pages is not None and prefix_cache else None
-        self._reuse_max_lag = 0 if kv_policy == "recompute" else int(reuse_max_lag)
         self._submitted = 0
-        # paged: decode runs over the first `rows` slots, running samples packed there
-        self.row_buckets = (buckets((), 8, num_slots) if pages is not None else (num_slots,))
+        # decode runs over the first `rows` slots (paged: running samples packed there)
+        self.row_buckets = kv.row_buckets
 
     # ------------------------------------------------------------------ state
 
@@ -232,7 +211,7 @@ class SlotScheduler:
                 free = np.zeros((self.num_slots,), bool)
                 free[running] = True
                 self._slots_dev = self._fns.release(self._slots_dev, free)
-            for s in queued + [self._slots[i] for i in running]:  # (frees their pages)
+            for s in queued + [self._slots[i] for i in running]:  # (frees their KV)
                 self._finish(s, "abort")
             return len(queued) + len(running)
 
@@ -290,20 +269,20 @@ class SlotScheduler:
             self._version = version
             self._stats.add(updates_applied=1)
         if self._kv_policy == "recompute":
-            if self._retained is not None:  # only the live version's K/V may be reused
-                with self._cv:
-                    self._retained.clear()
-            if self._pages is not None:  # the re-prefill writes the pending token's K/V too
-                for i in self._by_age():
-                    s = self._slots[i]
-                    if s is not None:
-                        self._grow_or_preempt(i, s.pos + 1)
+            with self._cv:
+                self._kv.invalidate()
+            for i in self._by_age():  # the re-prefill writes the pending token's K/V too
+                s = self._slots[i]
+                if s is not None:
+                    self._grow_or_preempt(i, s.pos + 1)
             running = [s for s in self._slots if s is not None]
             for s in running:
                 s.kv_version = version
-            self._prefill(self._recompute_entries(running))
-            if self._share is not None:
-                self._share.restamp(version)
+            with self._cv:
+                entries = self._kv.recompute_entries(running, self._slots)
+            self._prefill(entries)
+            with self._cv:
+                self._kv.restamp(version)
         with self._cv:
             self._cv.notify_all()
 
@@ -368,112 +347,28 @@ class SlotScheduler:
             batch, starts = [], []  # prefill rows; samples starting on a shared prefix
             with self._cv:
                 free = [i for i, s in enumerate(self._slots) if s is None]
-                growth = self._running_growth()
+                self._kv.open_round([(i, s) for i, s in enumerate(self._slots)
+                                     if s is not None])
                 while self._queue and free:
                     s = self._queue[0]
-                    shared = self._share is not None and shares(s)
-                    # (a preempted sample re-prefills what it generated, its pending token too)
-                    seq = s.sequence() if s.n_generated else s.prompt
-                    reused, reuse_version = 0, self._version  # positions mapped, their writer
-                    if self._pages is None:  # dense: reserve the whole lifetime up front
-                        if self._reserved + s.limit > self.kv_budget:
-                            break
-                        self._reserved += s.limit
-                        slot = free.pop(0)
-                    elif shared:  # paged, a group's sample: private pages (+ a new prefix)
-                        end = self._chunk_end(s, s.pos)  # (pending: the prompt's last token)
-                        creating = self._share.live(s.request.request_id) is None
-                        if creating:  # a new prefix starts with the retained pages of it
-                            reused, reuse_version = self._map_retained(
-                                free[0], s.prompt[:-1], s.pos // self._pages.page_size)
-                            need = self._pages.missing(free[0], end)
-                        else:
-                            need = self._share.need(s, end)
-                        if need + growth > self._pages.available:
-                            if creating:
-                                self._pages.release(free[0])
-                            break
-                        slot = free.pop(0)
-                        prefix, created, copy = self._share.admit(
-                            s, slot, min(self._version, reuse_version))
-                        growth += self._pages.missing(slot, end)
-                    else:  # paged: the prompt (and tokens so far) + first chunk + reserve,
-                        # less the pages it maps: a retained prefix or its group's prompt
-                        reused, reuse_version = self._map_reusable(s, free[0], seq)
-                        end = self._chunk_end(s, len(seq))
-                        if self._pages.missing(free[0], end) + growth > self._pages.available:
-                            self._unmap(s, free[0])
-                            break
-                        slot = free.pop(0)
-                        self._pages.grow(slot, len(seq))
-                        self._share.settle(s, self._pages.pages(slot))
-                        growth += self._pages.missing(slot, end)
+                    admission = self._kv.admit(s, free[0], self._version)
+                    if admission is None:  # head-of-line: the queue waits for memory
+                        break
+                    slot = free.pop(0)
                     self._queue.popleft()
                     self._slots[slot] = s
                     if s.start_version < 0:  # (a preempted sample keeps its first start)
                         s.start_time, s.start_version = time.time(), self._version
-                    if shared:  # its oldest K/V is the prefix's, whenever that was written
-                        s.kv_version = prefix.version
-                        starts.append((s, slot, copy))
-                        if created and s.pos > reused:  # the group's one prompt prefill
-                            batch.append((None, slot, s.prompt[:-1], reused))  # (no token)
-                        self._stats.add(prompt_prefills=int(created and s.pos > 0),
-                                        shared_admissions=int(not created),
-                                        prefix_cache_hits=int(reused > 0),
-                                        reused_tokens=reused)
-                        continue
-                    # every K/V it attends to is written now, but for the pages it maps
-                    s.kv_version = min(self._version, reuse_version)
-                    batch.append((s, slot, seq, reused))
-                    self._stats.add(prompt_prefills=int(s.n_generated == 0),
-                                    prefix_cache_hits=int(reused > 0), reused_tokens=reused)
+                    s.kv_version = admission.kv_version
+                    if admission.prefill is not None:
+                        batch.append(admission.prefill)
+                    if admission.start is not None:
+                        starts.append(admission.start)
+                    self._stats.add(**admission.stats)
             if not batch and not starts:
                 return produced
             produced += self._prefill(batch)
             self._start_shared(starts)
-
-    def _map_reusable(self, s: Sample, slot: int, seq) -> tuple:  # holds _cv
-        """Maps into free `slot` the pages of `seq`'s first positions that some holder has
-        written already: its group's shared prompt (a preempted sample of a group whose
-        prefix is live) or the longest retained prefix (`prefix_cache.py`), whichever
-        covers more, never `seq`'s last token; only pages written at most `reuse_max_lag`
-        versions before the live one (under 'recompute': the live version's). Returns
-        (positions mapped, the oldest version that wrote them; the live version when none)."""
-        if self._pages is None:
-            return 0, self._version
-        c, limit = self._pages.page_size, (len(seq) - 1) // self._pages.page_size
-        oldest = self._version - self._reuse_max_lag
-        prefix = self._share.live(s.request.request_id) if s.n_generated else None
-        if prefix is not None and prefix.version < oldest:
-            prefix = None
-        group = min(len(prefix.full), limit) if prefix is not None else 0
-        nodes = (self._retained.match(seq, limit, oldest)
-                 if self._retained is not None else [])
-        if group and group == len(prefix.full) and group >= len(nodes):
-            self._share.rejoin(s, slot)
-            return group * c, min(prefix.version, self._version)
-        return self._hold(slot, nodes)
-
-    def _map_retained(self, slot: int, tokens, max_pages: int) -> tuple:  # holds _cv
-        """Maps into free `slot` the longest retained path (at most `max_pages` pages) that
-        `tokens` start with, within the version cap; (positions mapped, their oldest
-        writer's version, or the live version when none)."""
-        if self._retained is None or max_pages < 1:
-            return 0, self._version
-        return self._hold(slot, self._retained.match(
-            tokens, max_pages, self._version - self._reuse_max_lag))
-
-    def _hold(self, slot: int, nodes) -> tuple:  # holds _cv
-        if not nodes:
-            return 0, self._version
-        self._pages.share(slot, [n.page for n in nodes])
-        return len(nodes) * self._pages.page_size, min(min_version(nodes), self._version)
-
-    def _unmap(self, s: Sample, slot: int) -> None:  # holds _cv
-        """Undoes `_map_reusable` (the sample was not admitted after all)."""
-        if self._pages is not None:
-            self._pages.release(slot)
-            self._share.release(s)
 
     def _start_shared(self, starts) -> None:
         """Starts `(sample, slot, page copy or None)` entries on their group's prefix (its
@@ -489,7 +384,7 @@ class SlotScheduler:
         """The device `start` program over `starts` (empty: every row a no-op, as warmup
         compiles it): page copies (rows without one copy to the out-of-range page, dropped),
         slot state and pending token of each starting sample."""
-        n, none = self.num_slots, self._pages.num_pages
+        n, none = self.num_slots, self._kv.num_pages
         src, dst = np.zeros((n,), np.int32), np.full((n,), none, np.int32)
         slot_idx = np.full((n,), n, np.int32)
         token, pos = np.zeros((n,), np.int32), np.zeros((n,), np.int32)
@@ -502,19 +397,7 @@ class SlotScheduler:
         self._cache, self._slots_dev = self._fns.start(
             self._cache, self._slots_dev, src, dst, slot_idx, token, pos, RowParams(**rows))
 
-    # ------------------------------------------------------------------ pages
-
-    def _chunk_end(self, s: Sample, pending: int) -> int:
-        """Positions whose K/V exist after a decode chunk that starts with the pending token
-        at `pending` (at least `pending`: a prefill writes everything before it)."""
-        return max(pending, min(pending + self._steps, s.limit - 1))
-
-    def _running_growth(self) -> int:  # holds _cv
-        """Pages the running samples' next decode chunk can still need."""
-        if self._pages is None:
-            return 0
-        return sum(self._pages.missing(i, self._chunk_end(s, s.pos))
-                   for i, s in enumerate(self._slots) if s is not None)
+    # ------------------------------------------------------------------ KV growth
 
     def _by_age(self) -> list:
         """Occupied slots, oldest sample (first submitted) first."""
@@ -522,18 +405,21 @@ class SlotScheduler:
                       key=lambda i: self._slots[i].order)
 
     def _grow_or_preempt(self, slot: int, tokens: int) -> bool:
-        """Makes `slot` hold pages for `tokens` positions, preempting the youngest running
-        samples while the pool is short; False when `slot`'s own sample was preempted."""
-        while not self._pages.grow(slot, tokens):
-            victim = max(self._by_age(), key=lambda i: self._slots[i].order)
+        """Makes `slot` hold KV for `tokens` positions, preempting the KV memory's victims
+        (the youngest running samples) while it is short; False when `slot`'s own sample
+        was preempted."""
+        while True:
+            with self._cv:
+                if self._kv.grow(slot, tokens):
+                    return True
+                victim = self._kv.victim(self._slots)
             self._preempt(victim)
             if victim == slot:
                 return False
-        return True
 
     def _pack(self, running: list, rows: int) -> list:
         """Moves the running samples of slots >= `rows` into free slots below it (their
-        pages stay; slot state and page-table rows move); returns the running slots."""
+        KV stays; slot state and page-table rows move); returns the running slots."""
         holes = [i for i in range(rows) if self._slots[i] is None]
         perm = np.arange(self.num_slots, dtype=np.int32)
         with self._cv:
@@ -541,47 +427,23 @@ class SlotScheduler:
                 dst = holes.pop(0)
                 perm[dst], perm[src] = src, dst
                 self._slots[dst], self._slots[src] = self._slots[src], None
-                self._pages.swap(src, dst)
+                self._kv.move(src, dst)
                 self._stats.totals["slot_moves"] += 1
         self._slots_dev = self._fns.permute(self._slots_dev, perm)
         return [i for i, s in enumerate(self._slots) if s is not None]
 
     def _preempt(self, slot: int) -> None:
-        """Frees `slot`'s pages and slot and puts its sample back at the head of the queue;
+        """Frees `slot`'s KV and slot and puts its sample back at the head of the queue;
         its readmission re-prefills its prompt and the tokens it generated so far."""
         s = self._slots[slot]
-        self._pages.release(slot)  # (pages its group shares stay with the other holders)
-        if self._share is not None:
-            self._share.release(s)
         free = np.zeros((self.num_slots,), bool)
         free[slot] = True
         self._slots_dev = self._fns.release(self._slots_dev, free)
         with self._cv:
+            self._kv.release(s, slot, retain=False)
             self._slots[slot] = None
             self._queue.appendleft(s)  # youngest preempted first: the oldest ends up first
             self._stats.totals["preemptions"] += 1
-
-    def _recompute_entries(self, running) -> list:
-        """The `_prefill` entries of a 'recompute' update's re-prefill of `running`. Paged: a
-        page several running samples hold (a group's shared prompt pages, a retained prefix
-        two turns mapped) is rewritten by the first of them, whose whole sequence runs as a
-        plain prefill; each later holder re-prefills only what follows its leading such
-        pages, over them (`extend`), instead of its whole sequence."""
-        if self._pages is None:
-            return [(s, self._slots.index(s), s.sequence(), 0) for s in running]
-        c = self._pages.page_size
-        written, entries = set(), []
-        for s in running:
-            slot = self._slots.index(s)
-            pages, seq = self._pages.pages(slot), s.sequence()
-            lead = 0
-            while lead < len(pages) and pages[lead] in written:
-                lead += 1
-            start = min(lead * c, (len(seq) - 1) // c * c)  # at least one token runs
-            if not start:
-                written.update(pages)
-            entries.append((s, slot, seq, start))
-        return entries
 
     def _prefill(self, entries) -> int:
         """Prefills `(sample, slot, token sequence, start)` entries and records each first
@@ -615,23 +477,16 @@ class SlotScheduler:
                 if s is not None:
                     slot_idx[j] = slot
                     _fill_row(rows, j, s)
-            if self._pages is not None:
-                tables = np.full((bp, self._pages.max_pages), self._pages.num_pages, np.int32)
-                for j, (_, slot, _, _) in enumerate(group):
-                    tables[j] = self._pages.tables[slot]
-                    if not extend:  # (extend rows write only their private pages)
-                        tables[j][np.isin(tables[j], list(written))] = self._pages.num_pages
-                        written.update(self._pages.pages(slot))
+            with self._cv:
+                tables = self._kv.tables([e[1] for e in group], bp, extend, written)
             if extend:
                 self._cache, self._slots_dev, out = self._fns.extend(
                     self._params, self._cache, self._slots_dev, ids, starts, lengths,
-                    slot_idx, RowParams(**rows), tables)
+                    slot_idx, RowParams(**rows), *tables)
             else:
-                args = (self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
-                        RowParams(**rows))
-                if self._pages is not None:
-                    args += (tables,)
-                self._cache, self._slots_dev, out = self._fns.prefill(*args)
+                self._cache, self._slots_dev, out = self._fns.prefill(
+                    self._params, self._cache, self._slots_dev, ids, lengths, slot_idx,
+                    RowParams(**rows), *tables)
             token, logp, done = jax.device_get(out)
             for j, (s, slot, _, _) in enumerate(group):
                 if s is None:
@@ -651,11 +506,10 @@ class SlotScheduler:
                     stop_ids=np.full((b, self._max_stops), -1, np.int32))
 
     def _decode(self) -> int:
-        if self._pages is not None:  # pages for what this chunk can write, oldest first
-            for i in self._by_age():
-                s = self._slots[i]
-                if s is not None:
-                    self._grow_or_preempt(i, self._chunk_end(s, s.pos))
+        for i in self._by_age():  # KV for what this chunk can write, oldest first
+            s = self._slots[i]
+            if s is not None:
+                self._grow_or_preempt(i, chunk_end(s, s.pos, self._steps))
         running = [i for i, s in enumerate(self._slots) if s is not None]
         if not running:
             return 0
@@ -667,13 +521,11 @@ class SlotScheduler:
         with self._cv:
             queued = len(self._queue)
         refill_at = min(queued, self._refill)  # 0 when nothing waits: run the whole chunk
-        if self._pages is None:
-            extra, static = (), {}
-        else:
-            extra, static = (self._pages.tables[:rows].copy(),), {"rows": rows}
+        with self._cv:
+            tables = self._kv.tables(range(rows), rows)
         self._cache, self._slots_dev, out = self._fns.decode(
-            self._params, self._cache, self._slots_dev, np.int32(refill_at), *extra,
-            cache_len=cache_len, **static)
+            self._params, self._cache, self._slots_dev, np.int32(refill_at), *tables,
+            cache_len=cache_len, rows=rows)
         tokens, logps, emitted, active, n = jax.device_get(out)
         produced = 0
         for i in running:
@@ -710,12 +562,7 @@ class SlotScheduler:
             if s in self._slots:
                 slot = self._slots.index(s)
                 self._slots[slot] = None
-                if self._pages is None:
-                    self._reserved -= s.limit
-                else:
-                    self._retain(s, slot)
-                    self._pages.release(slot)
-                    self._share.release(s)
+                self._kv.release(s, slot, retain=True)
             rid = s.request.request_id
             self._live[rid] -= 1
             if not self._live[rid]:
@@ -723,17 +570,6 @@ class SlotScheduler:
             self._outbox.append(completion)
             self._stats.totals["completed_samples"] += 1
             self._cv.notify_all()
-
-    def _retain(self, s: Sample, slot: int) -> None:  # holds _cv
-        """Keeps the full pages `slot` has written (every position before the pending
-        token's) in the prefix cache, for later prompts that start with those tokens."""
-        if self._retained is None:
-            return
-        held = self._pages.pages(slot)
-        n = full_pages_written(s.pos, self._pages.page_size, len(held))
-        if n:
-            self._retained.insert(s.sequence()[:n * self._pages.page_size], held[:n],
-                                  s.kv_version)
 
     def _abort_all(self) -> None:
         with self._cv:
@@ -766,7 +602,7 @@ class SlotScheduler:
                 "queued_samples": len(self._queue),
                 "queued_requests": len({s.request.request_id for s in self._queue}),
                 "kv_tokens_in_use": sum(s.pos + 1 for s in running),
-                **self._kv_figures(),
+                **self._kv.figures(self._stats.totals),
                 # averages over the window since the previous stats() call
                 **window_rates(w, span),
                 "slot_occupancy": w["slot_steps"] / max(w["decode_steps"] * self.num_slots, 1),
@@ -790,32 +626,6 @@ class SlotScheduler:
                     self._fns.extend._cache_size() if self._fns.extend is not None else 0),
             }
 
-    def _kv_figures(self) -> dict:  # holds _cv
-        """KV reserved and budget in tokens (the paged layout: pages held / in the pool)."""
-        if self._pages is None:
-            return {"kv_layout": "dense", "kv_tokens_reserved": self._reserved,
-                    "kv_budget_tokens": self.kv_budget}
-        c = self._pages.page_size
-        # (pages only the prefix cache holds count as free: admission may take them)
-        free = self._pages.available
-        return {"kv_layout": "paged",
-                "kv_tokens_reserved": (self._pages.num_pages - free) * c,
-                "kv_budget_tokens": self._pages.num_pages * c, "page_size": c,
-                "kv_pages_total": self._pages.num_pages,
-                "kv_pages_free": free,
-                "kv_pages_shared": self._pages.shared_pages,
-                "shared_admissions": self._stats.totals["shared_admissions"],
-                "cow_page_copies": self._stats.totals["cow_page_copies"],
-                # prefix reuse (prefix_cache.py): admissions that mapped written pages (a
-                # retained prefix, or a preempted sample's group prompt), the positions
-                # mapped instead of prefilled, and the pages the cache keeps
-                "prefix_cache_hits": self._stats.totals["prefix_cache_hits"],
-                "reused_tokens": self._stats.totals["reused_tokens"],
-                "prefix_cache_pages": len(self._retained) if self._retained is not None else 0,
-                "prefix_cache_evictions": (self._retained.evictions
-                                           if self._retained is not None else 0),
-                "slot_moves": self._stats.totals["slot_moves"]}
-
     def warmup(self) -> int:
         """Compiles every (prefill batch, prompt length) and cache-length program up front,
         so serving never stalls on a compile. Changes no state; returns the programs run."""
@@ -827,7 +637,7 @@ class SlotScheduler:
                         self._params, self._cache, self._slots_dev,
                         np.zeros((bp, t), np.int32),
                         np.ones((bp,), np.int32), np.full((bp,), self.num_slots, np.int32),
-                        RowParams(**self._row_params(bp)), *self._no_pages(bp))
+                        RowParams(**self._row_params(bp)), *self._kv.tables((), bp))
                     jax.block_until_ready(out)
                     n += 1
                     if self._fns.extend is not None:  # (prefill over existing pages)
@@ -835,18 +645,17 @@ class SlotScheduler:
                             self._params, self._cache, self._slots_dev,
                             np.zeros((bp, t), np.int32), np.zeros((bp,), np.int32),
                             np.ones((bp,), np.int32), np.full((bp,), self.num_slots, np.int32),
-                            RowParams(**self._row_params(bp)), *self._no_pages(bp))
+                            RowParams(**self._row_params(bp)), *self._kv.tables((), bp))
                         jax.block_until_ready(out)
                         n += 1
             for cache_len in self.cache_buckets:
                 for rows in self.row_buckets:
                     # Decode with every slot inactive runs zero steps, leaves the cache as is.
-                    static = {} if self._pages is None else {"rows": rows}
                     active = self._slots_dev.active
                     idle = self._slots_dev._replace(active=jnp.zeros_like(active))
                     self._cache, idle, out = self._fns.decode(
-                        self._params, self._cache, idle, np.int32(0), *self._no_pages(rows),
-                        cache_len=cache_len, **static)
+                        self._params, self._cache, idle, np.int32(0),
+                        *self._kv.tables((), rows), cache_len=cache_len, rows=rows)
                     self._slots_dev = idle._replace(active=active)
                     jax.block_until_ready(out)
                     n += 1
@@ -854,20 +663,13 @@ class SlotScheduler:
             self._slots_dev = self._fns.release(self._slots_dev,
                                                 np.zeros((self.num_slots,), bool))
             n += 1
-            if self._pages is not None:  # (packing running samples into the low slots)
+            if self._kv.paged:  # (packing running samples into the low slots)
                 self._slots_dev = self._fns.permute(
                     self._slots_dev, np.arange(self.num_slots, dtype=np.int32))
                 n += 1
                 self._run_start([])  # (starting samples on a shared prompt: nothing to do)
                 n += 1
         return n
-
-
-    def _no_pages(self, rows: int) -> tuple:
-        """The page-table argument of `rows` rows holding no page (none for dense)."""
-        if self._pages is None:
-            return ()
-        return (np.full((rows, self._pages.max_pages), self._pages.num_pages, np.int32),)
 
 
 def _fill_row(rows: dict, j: int, s: Sample) -> None:
