@@ -1,7 +1,8 @@
 """Cost of each off-policy correction relative to the plain policy gradient.
 
 Per loss: the median wall time of one jitted forward + backward (gradient w.r.t. logp, every
-diagnostic included) over a [B, T] batch, after warmup, and its ratio to `reinforce`; the same
+diagnostic included) over a [B, T] batch, after warmup, and its ratio to `reinforce` (and its
+process CPU time against `ppo`'s); the same
 built with `diagnostics=False`; and the loss-independent diagnostics alone. All functions take
 turns in every round, so load drifting on a shared machine hits them alike; the ratio of
 process CPU times is reported too (steadier when other processes compete for the cores).
@@ -83,12 +84,15 @@ def main():
     ratio = {name: ms[name] / ms["reinforce"] for name in LOSSES}
     bare_ratio = {name: bare[name] / bare["reinforce"] for name in LOSSES}
     cpu_ratio = {name: cpu[name] / cpu["reinforce"] for name in LOSSES}
+    cpu_ms = {name: cpu[name] for name in LOSSES}
+    cpu_to_ppo = {name: cpu[name] / cpu["ppo"] for name in LOSSES}
 
     print(f"{'loss':16s} {'ms':>8s} {'x reinforce':>12s} {'x (cpu time)':>13s} "
-          f"{'ms no diag':>11s} {'x':>6s}")
+          f"{'cpu ms':>8s} {'x ppo (cpu)':>12s} {'ms no diag':>11s} {'x':>6s}")
     for name in LOSSES:
         print(f"{name:16s} {ms[name]:8.2f} {ratio[name]:12.2f} {cpu_ratio[name]:13.2f} "
-              f"{bare[name]:11.2f} {bare_ratio[name]:6.2f}")
+              f"{cpu_ms[name]:8.2f} {cpu_to_ppo[name]:12.2f} {bare[name]:11.2f} "
+              f"{bare_ratio[name]:6.2f}")
     print(f"{'(diagnostics)':16s} {wall['diagnostics']:8.2f}")
     print(json.dumps({
         "bench": "losses", "shape": [args.batch, args.seq], "repeats": args.repeats,
@@ -97,6 +101,8 @@ def main():
         "ms": {k: round(v, 3) for k, v in ms.items()},
         "ratio_to_reinforce": {k: round(v, 3) for k, v in ratio.items()},
         "ratio_to_reinforce_cpu_time": {k: round(v, 3) for k, v in cpu_ratio.items()},
+        "cpu_ms": {k: round(v, 3) for k, v in cpu_ms.items()},
+        "ratio_to_ppo_cpu_time": {k: round(v, 3) for k, v in cpu_to_ppo.items()},
         "ms_without_diagnostics": {k: round(v, 3) for k, v in bare.items()},
         "ratio_without_diagnostics": {k: round(v, 3) for k, v in bare_ratio.items()},
         "diagnostics_ms": round(wall["diagnostics"], 3),

@@ -55,3 +55,12 @@ def test_readers_of_a_run_directory_see_the_merged_table(tmp_path, capsys):
     monitor.update()
     assert monitor.last["eval/accuracy"] == 0.75 and monitor.last["step"] == 1
     monitor.close()
+
+
+def test_the_progress_summary_shows_the_train_inference_mismatch(tmp_path):
+    _write(tmp_path / "metrics.jsonl",
+           [{"step": 1, "version": 1, "reward/mean": 0.5, "loss/mismatch/abs_mean": 0.0015}])
+    monitor = Monitor(str(tmp_path), total=2)
+    monitor.update()
+    assert "mismatch=0.0015" in monitor.bar.postfix and "reward=0.500" in monitor.bar.postfix
+    monitor.close()

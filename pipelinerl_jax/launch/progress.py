@@ -1,7 +1,7 @@
 """Progress bars over the files a run writes (the processes write them; we only read).
 
-`Monitor`: RL steps from `metrics.jsonl` with reward, lag and occupancy, and the held-out
-accuracy from `eval.jsonl`.
+`Monitor`: RL steps from `metrics.jsonl` with reward, lag, occupancy and the train-inference
+mismatch (mean |Δ log p| of the lag-0 tokens), and the held-out accuracy from `eval.jsonl`.
 `SftProgress`: warm-start steps from `warm_start/sft_metrics.jsonl` with the loss.
 """
 from __future__ import annotations
@@ -57,10 +57,12 @@ class Monitor:
         if changed:
             self.bar.n = self.last.get("step", 0)
             post = {}
-            for key, short in (("reward/mean", "reward"), ("eval/accuracy", "eval_acc"),
-                               ("lag/mean", "lag"), ("sampler/occupancy", "occ")):
+            for key, short, fmt in (("reward/mean", "reward", ".3f"),
+                                    ("eval/accuracy", "eval_acc", ".3f"),
+                                    ("lag/mean", "lag", ".3f"), ("sampler/occupancy", "occ", ".3f"),
+                                    ("loss/mismatch/abs_mean", "mismatch", ".2g")):
                 if isinstance(self.last.get(key), (int, float)):
-                    post[short] = f"{self.last[key]:.3f}"
+                    post[short] = format(self.last[key], fmt)
             self.bar.set_postfix(post)
             self.bar.refresh()
 

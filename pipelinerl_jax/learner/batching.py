@@ -29,7 +29,8 @@ import numpy as np
 from pipelinerl_jax.types import Rollout
 
 PACKED_KEYS = ("input_ids", "targets", "positions", "segment_ids")  # [chunks, R, pack_len]
-SEQ_KEYS = ("gather_idx", "loss_mask", "logp_behaviour", "advantages", "lag", "kv_lag")
+SEQ_KEYS = ("gather_idx", "loss_mask", "logp_behaviour", "advantages", "lag", "kv_lag",
+            "engine")  # engine: index into PackedBatch.engines of the row's sampler
 
 
 def row_bucket(rows: int, divisor: int) -> int:
@@ -67,6 +68,7 @@ class PackedBatch:
     num_seqs: int  # real sequences (the rest are all-masked padding sequences)
     num_tokens: int  # trained tokens (completion tokens under the loss mask)
     packed_tokens: int  # real tokens in the packed rows (prompt + completion)
+    engines: tuple = ()  # engine ids, sorted: arrays["engine"] indexes them
 
     def __getitem__(self, key):
         return self.arrays[key]
@@ -105,7 +107,10 @@ def pack(rollouts: Sequence[Rollout], learner_version: int, *, num_seqs: int, ch
     shape = (chunks, per, completion_len)
     a.update(gather_idx=np.zeros(shape, np.int32), loss_mask=np.zeros(shape, np.float32),
              logp_behaviour=np.zeros(shape, np.float32), advantages=np.zeros(shape, np.float32),
-             lag=np.zeros(shape, np.int32), kv_lag=np.zeros(shape, np.int32))
+             lag=np.zeros(shape, np.int32), kv_lag=np.zeros(shape, np.int32),
+             engine=np.zeros(shape, np.int32))
+    engines = tuple(sorted({r.engine_id for r in rollouts}))
+    engine_index = {name: i for i, name in enumerate(engines)}
     tokens = packed = 0
     for ch, (part, bins) in enumerate(zip(parts, layouts)):
         for row, members in enumerate(bins):
@@ -126,10 +131,11 @@ def pack(rollouts: Sequence[Rollout], learner_version: int, *, num_seqs: int, ch
                 a["advantages"][ch, i, :c] = r.advantage
                 a["lag"][ch, i, :c] = learner_version - np.asarray(r.version)
                 a["kv_lag"][ch, i, :c] = learner_version - np.asarray(r.kv_version)
+                a["engine"][ch, i, :c] = engine_index[r.engine_id]
                 offset += p + c
                 tokens += c if r.loss_mask is None else int(np.count_nonzero(r.loss_mask))
                 packed += p + c
-    return PackedBatch(a, len(rollouts), tokens, packed)
+    return PackedBatch(a, len(rollouts), tokens, packed, engines)
 
 
 def episode_metrics(rollouts: Sequence[Rollout], learner_version: int,

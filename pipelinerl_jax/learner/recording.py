@@ -114,6 +114,8 @@ def load_arrays(directory: str, entry: dict) -> Dict[str, np.ndarray]:
     """The packed arrays of one index entry, exactly as the recorded train step saw them."""
     with np.load(os.path.join(directory, entry["file"])) as z:
         arrays = {k: z[k] for k in z.files}
+    if "engine" not in arrays and "lag" in arrays:  # recorded before rows named their engine
+        arrays["engine"] = np.zeros_like(arrays["lag"])
     missing = set(PACKED_KEYS + SEQ_KEYS) - set(arrays)
     if missing:
         raise ValueError(f"{entry['file']} lacks arrays {sorted(missing)}")

@@ -13,7 +13,8 @@ Inside one step:
      several minibatches one no-grad forward over the whole batch fixes it before the first
      update (AReaL's decoupled PPO);
   2. for each minibatch, gradients accumulated over micro-batches (`lax.scan`), then one
-     optax update (AdamW, warmup + decay, global-norm clipping);
+     optax update (AdamW, warmup + decay, global-norm clipping), multiplied by the loss's
+     `step_scale` metric when the loss declares one (`loss_fn.scales_step`, e.g. VCPO);
   3. a non-finite loss or gradient skips that update (params and optimizer state unchanged)
      and is counted in `metrics["skipped"]`.
 
@@ -308,6 +309,7 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
     from pipelinerl_jax.losses import LossInputs
 
     row_sharding = sharding_lib.batch_sharding(mesh, rules)
+    scales_step = bool(getattr(loss_fn, "scales_step", False))
 
     def packed_logp(params, frozen, mb):
         """Log-probs and entropies of the packed rows, gathered to `[N, C]` sequence rows
@@ -331,7 +333,7 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         inputs = LossInputs(logp=logp, logp_behaviour=mb["logp_behaviour"],
                             logp_proximal=proximal, advantages=mb["advantages"],
                             loss_mask=mb["loss_mask"], lag=mb["lag"],
-                            entropy=jax.lax.stop_gradient(entropy))
+                            entropy=jax.lax.stop_gradient(entropy), engine=mb["engine"])
         return loss_fn(inputs, loss_hp)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -364,6 +366,8 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params,
                                             hp["optimizer"])
+        if scales_step:  # e.g. VCPO's ESS-scaled step: for AdamW, lr times the scale
+            updates = jax.tree.map(lambda u: u * metrics["step_scale"], updates)
         new_params = apply_updates(state.params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
         new_state = state._replace(params=keep(new_params, state.params),

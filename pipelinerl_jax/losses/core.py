@@ -36,8 +36,9 @@ class LossInputs(NamedTuple):
     """What the learner hands a loss; every field `[B, T]`, one sequence per row.
 
     `logp_proximal` may be None (then the behaviour policy stands in for it). `logp_ref`
-    (reference policy, for the KL penalty) and `entropy` (per-token entropy of the current
-    policy, reported as a diagnostic) are optional.
+    (reference policy, for the KL penalty), `entropy` (per-token entropy of the current
+    policy, reported as a diagnostic) and `engine` (int: index of the engine that sampled the
+    token, for the per-engine mismatch diagnostic) are optional.
     """
     logp: Array
     logp_behaviour: Array
@@ -47,6 +48,7 @@ class LossInputs(NamedTuple):
     lag: Array
     logp_ref: Optional[Array] = None
     entropy: Optional[Array] = None
+    engine: Optional[Array] = None
 
 
 class Prepared(NamedTuple):

@@ -74,6 +74,12 @@ def clip_range(eps_low, eps_high):
     return (one - jnp.float32(eps_low), one + jnp.float32(eps_high))
 
 
+def proximal_logp(x: Prepared) -> Array:
+    """log π_prox: the proximal policy when given, else the current one held fixed (what the
+    learner's proximal policy is at minibatches=1)."""
+    return x.logp_old if x.has_proximal else sg(x.logp)
+
+
 def _behaviour_weight(x: Prepared) -> Array:
     """w = π_old/μ (sg), value-clamped like every ratio; exactly 1 without a proximal policy."""
     if not x.has_proximal:
@@ -81,8 +87,11 @@ def _behaviour_weight(x: Prepared) -> Array:
     return jnp.exp(jnp.clip(x.logp_old - x.logp_mu, -MAX_LOG_RATIO, MAX_LOG_RATIO))
 
 
-def _decoupled(x: Prepared, lo, hi, weight: Optional[Array]) -> Terms:
-    r = ratio(x.logp - x.logp_old)
+def decoupled(x: Prepared, lo, hi, weight: Optional[Array],
+              logp_old: Optional[Array] = None) -> Terms:
+    """-sg(weight)·min(r·A, clip(r, lo, hi)·A) with r = π_θ/π_old (`logp_old`: x.logp_old
+    unless given); weight None means 1."""
+    r = ratio(x.logp - (x.logp_old if logp_old is None else logp_old))
     ell = clipped_surrogate(r, x.adv, lo, hi)
     if weight is not None:
         ell = sg(weight) * ell
@@ -100,7 +109,7 @@ def decoupled_ppo(x: Prepared, eps_low: float, eps_high: float,
         weight = _behaviour_weight(x)
         if behave_cap is not None:
             weight = jnp.minimum(weight, behave_cap)
-    return _decoupled(x, *clip_range(eps_low, eps_high), weight)
+    return decoupled(x, *clip_range(eps_low, eps_high), weight)
 
 
 def icepop(x: Prepared, eps_low: float, eps_high: float, band_low: float,
@@ -111,7 +120,7 @@ def icepop(x: Prepared, eps_low: float, eps_high: float, band_low: float,
     normaliser). Without a proximal policy w = 1 and nothing is masked."""
     w = _behaviour_weight(x)
     in_band = (w >= band_low) & (w <= band_high)
-    terms = _decoupled(x, *clip_range(eps_low, eps_high), jnp.where(in_band, w, 0.0))
+    terms = decoupled(x, *clip_range(eps_low, eps_high), jnp.where(in_band, w, 0.0))
     return terms._replace(masked=~in_band)
 
 
@@ -144,7 +153,7 @@ def staleness_clip(x: Prepared, eps_low: float, eps_high: float, cap: float, sch
     which is also what the learner runs at minibatches=1, where π_prox = π_θ. Tokens with
     lag > lag_cutoff get ℓ = 0 and leave the normaliser. docs/losses.md derives it.
     """
-    logp_prox = x.logp_old if x.has_proximal else sg(x.logp)
+    logp_prox = proximal_logp(x)
     w = jnp.exp(jnp.clip(logp_prox - x.logp_mu, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     bound = 1.0 + (jnp.float32(cap) - 1.0) * lag_scale(x.lag, schedule, alpha)
     capped = w > bound

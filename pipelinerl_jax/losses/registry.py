@@ -23,6 +23,10 @@ import jax.numpy as jnp
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.losses import diagnostics as off_policy
 from pipelinerl_jax.losses import policy
+from pipelinerl_jax.losses.a3po import a3po
+from pipelinerl_jax.losses.opsm import opsm
+from pipelinerl_jax.losses.seq_is import LEVELS, MODES, seq_is
+from pipelinerl_jax.losses.vcpo import SCALINGS, vcpo
 from pipelinerl_jax.losses.core import (AGGREGATIONS, KL_ESTIMATORS, LossInputs, aggregate,
                                         kl_to_reference, prepare, sg)
 
@@ -62,6 +66,7 @@ class LossSpec:
     hparams: dict
     aggregated: bool = True  # takes `agg` / `max_tokens`
     proximal: bool = False  # `logp_old` is `logp_proximal` when given (decoupled objectives)
+    step_scale: bool = False  # metrics["step_scale"] multiplies the optimizer's update
 
 
 _EPS_LOW = HParam(0.2, float, _number(0, 1, hi_open=True))
@@ -105,6 +110,25 @@ LOSSES = {
         # The released code's floor on its clip range (its miniclip_low / miniclip_high).
         "floor_low": HParam(0.3, float, _number(0, 1)),
         "floor_high": HParam(0.5, float, _number(0))}),
+    "seq_is": LossSpec(seq_is, {
+        "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
+        "level": HParam("sequence", str, _choice(LEVELS)),
+        "mode": HParam("truncate", str, _choice(MODES)),
+        # [low, high] must contain 1: on-policy data (weight 1) is never cut or masked.
+        "high": HParam(2.0, float, _number(1)),
+        "low": HParam(None, float, _number(0, 1, lo_open=True, optional=True)),
+        "veto": HParam(None, float, _number(0, 1, lo_open=True, optional=True))},
+        proximal=True),
+    "opsm": LossSpec(opsm, {
+        "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
+        "delta": HParam(0.1, float, _number(0))}),
+    "a3po": LossSpec(a3po, {
+        "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
+        "behave_cap": HParam(None, float, _number(0, lo_open=True, optional=True))}),
+    "vcpo": LossSpec(vcpo, {
+        "cap": HParam(8.0, float, _number(0, lo_open=True)),
+        "ess_base": HParam(1.0, float, _number(0, 1, lo_open=True)),
+        "scaling": HParam("sqrt", str, _choice(SCALINGS))}, proximal=True, step_scale=True),
 }
 
 AGG_HPARAMS = {
@@ -151,6 +175,9 @@ def resolve_hparams(name: str, **hparams) -> dict:
         if hp["agg"] != "constant" and hp["max_tokens"] is not None:
             raise ConfigError("loss.max_tokens", f"is only used with agg='constant', "
                                                  f"not agg={hp['agg']!r}")
+    if name == "seq_is" and hp["mode"] == "truncate" and hp["low"] is not None:
+        raise ConfigError("loss.low", "is the lower bound of mode='mask'; mode='truncate' "
+                                      "only caps the weight at loss.high")
     if name == "staleness_clip" and hp["schedule"] == "exp" and hp["alpha"] > 1:
         raise ConfigError("loss.alpha", f"schedule='exp' scales the cap's excess over 1 by "
                                         f"alpha^lag and needs 0 <= alpha <= 1, got "
@@ -186,7 +213,8 @@ def get_loss(name: str, *, diagnostics: bool = True,
     (e.g. for all but one micro-batch of an accumulated step), every off-policy diagnostic of
     `diagnostics.compute` (per-lag-bucket ones as `lag/<name>` float32[6] vectors; see
     `diagnostics.flatten_metrics`). `loss_fn.name` / `loss_fn.hparams` (resolved: defaults
-    filled in) / `loss_fn.needs_proximal` record what was built, for the learner to read.
+    filled in) / `loss_fn.needs_proximal` / `loss_fn.scales_step` (the update is to be
+    multiplied by `metrics["step_scale"]`) record what was built, for the learner to read.
 
     `loss_fn.traced_hparams` (name -> float) are its numeric hyperparameters (clip ranges,
     caps, tau, kl_coef, ...). The call's `hparams` (a dict of some of those names, e.g. float32
@@ -235,11 +263,12 @@ def get_loss(name: str, *, diagnostics: bool = True,
             # the raw inputs behind it: passing the loss's cleaned arrays through was as slow.
             raw, clips = jax.lax.optimization_barrier(
                 sg((inputs, (terms.clip_low, terms.clip_high, terms.masked))))
-            metrics.update(off_policy.compute(prepare(raw), *clips, raw.entropy))
+            metrics.update(off_policy.compute(prepare(raw), *clips, raw.entropy, raw.engine))
         return loss, metrics
 
     loss_fn.name = name
     loss_fn.hparams = dict(hp)
     loss_fn.traced_hparams = traced
     loss_fn.needs_proximal = spec.proximal
+    loss_fn.scales_step = spec.step_scale
     return loss_fn

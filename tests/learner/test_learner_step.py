@@ -65,7 +65,7 @@ def test_default_loss_config_accumulates_micro_batches_by_tokens():
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_recompute_proximal_auto_reads_what_the_loss_declares(name):
     loss_fn = get_loss(name)
-    declared = name in ("decoupled_ppo", "icepop", "staleness_clip")
+    declared = name in ("decoupled_ppo", "icepop", "staleness_clip", "seq_is", "vcpo")
     assert loss_fn.needs_proximal is declared
     assert loop.uses_proximal("auto", loss_fn) is declared
     assert loop.uses_proximal(True, loss_fn) and not loop.uses_proximal(False, loss_fn)

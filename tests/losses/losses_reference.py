@@ -225,6 +225,11 @@ def diagnostics(inputs, clip_low=None, clip_high=None, masked=None):
                "clip_high_frac_pos_adv": (high & (adv > 0))[sel].mean(),
                "clip_high_frac_neg_adv": (high & (adv < 0))[sel].mean(),
                "masked_frac": masked[sel].mean()}
+        # The mismatch: the weights the update starts from (proximal, else current) vs μ.
+        dd = ((logp if f64["logp_proximal"] is None else old) - mu)[sel]
+        out.update({"mismatch_abs_mean": np.abs(dd).mean(), "mismatch_abs_max": np.abs(dd).max(),
+                    "mismatch_frac_above_0.1": (np.abs(dd) > 0.1).mean(),
+                    "mismatch_kl_k3": (np.exp(dd) - 1 - dd).mean()})
         # Tokens with A = 0 count in no clip fraction (their loss is 0 whatever the ratio).
         out["clip_frac"] = sum(out[k] for k in out if k.startswith("clip_"))
         if inputs.get("entropy") is not None:

@@ -37,7 +37,7 @@ def to_jax(inputs) -> LossInputs:
     def conv(k, v):
         if v is None:
             return None
-        return jnp.asarray(v, jnp.int32 if k == "lag" else jnp.float32)
+        return jnp.asarray(v, jnp.int32 if k in ("lag", "engine") else jnp.float32)
     return LossInputs(**{k: conv(k, v) for k, v in inputs.items()})
 
 

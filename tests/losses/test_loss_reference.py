@@ -117,6 +117,29 @@ def test_ppo_diagnostics_match_reference(proximal):
     assert np.all(metrics["lag/ess"][LAG_BUCKETS.index("2")] == 0)
     if not proximal:
         assert metrics["w_mean"] == metrics["w_min"] == metrics["w_max"] == 1.0
+    for key in ("abs_mean", "abs_max", "frac_above_0.1", "kl_k3"):  # lag 0: the mismatch
+        np.testing.assert_allclose(metrics[f"mismatch/{key}"], buckets["0"][f"mismatch_{key}"],
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_the_mismatch_is_reported_per_engine():
+    """Lag-0 tokens of two engines: each engine's mismatch is its own tokens' (the oracle's
+    lag-0 statistics over them), named by the batch's engine ids once flattened."""
+    inputs = make_inputs(seed=8, extras=True, lag_max=1)
+    engine = np.zeros_like(inputs["lag"])
+    engine[1::2] = 1
+    _, metrics, _ = run("ppo", dict(inputs, engine=engine), diagnostics=True)
+    flat = flatten_metrics(metrics, ("jax-0", "sglang-0"))
+    t = inputs["loss_mask"] > 0
+    for index, name in enumerate(("jax-0", "sglang-0")):
+        rows = (engine == index)
+        sub = dict(inputs, loss_mask=np.where(rows, inputs["loss_mask"], 0.0))
+        want = ref.diagnostics(sub)[1]["0"]
+        assert flat[f"engine_{name}/tokens"] == np.sum(t & rows & (inputs["lag"] == 0)) > 0
+        for key in ("abs_mean", "abs_max", "frac_above_0.1", "kl_k3"):
+            np.testing.assert_allclose(flat[f"engine_{name}/mismatch_{key}"],
+                                       want[f"mismatch_{key}"], rtol=1e-4, atol=1e-6)
+    assert not any(k.startswith("engine/") for k in flat)
 
 
 def test_m2po_and_icepop_report_what_they_masked():

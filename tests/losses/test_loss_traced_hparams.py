@@ -26,6 +26,11 @@ SETTINGS = {
     "m2po": ({"tau": 0.04}, {"tau": 0.3}),
     "m2po_released": ({"form": "released", "tau": 0.01, "floor_low": 0.0, "floor_high": 0.0},
                       {"form": "released", "tau": 0.05, "floor_low": 0.1, "floor_high": 0.2}),
+    "seq_is": ({"high": 1.5, "low": 0.8, "veto": 0.3, "mode": "mask"},
+               {"high": 3.0, "low": 0.5, "veto": 0.1, "mode": "mask"}),
+    "opsm": ({"delta": 0.0, "eps_high": 0.3}, {"delta": 0.2, "eps_high": 0.1}),
+    "a3po": ({"behave_cap": 1.2}, {"behave_cap": 3.0}),
+    "vcpo": ({"cap": 1.5, "ess_base": 0.9}, {"cap": 8.0, "ess_base": 0.3}),
 }
 
 
