@@ -176,8 +176,12 @@ def _mean(values) -> Optional[float]:
     return float(np.mean(v)) if v else None
 
 
-def _unstable(cell: Dict[int, Run]) -> int:
-    return sum(bool(summarize_run(r, None)["unstable"]) for r in cell.values())
+def _collapsed(cell: Dict[int, Run]) -> int:
+    return sum(bool(summarize_run(r, None)["collapsed"]) for r in cell.values())
+
+
+def _drift_flagged(cell: Dict[int, Run]) -> int:
+    return sum(bool(summarize_run(r, None)["drift_flag"]) for r in cell.values())
 
 
 M2PO_FORMS = ("m2po", "m2po_released")
@@ -185,7 +189,7 @@ M2PO_FORMS = ("m2po", "m2po_released")
 
 def measure_m2po(grid: Grid) -> dict:
     """Each m2po form present (the paper's, the released code's) against capped tis at the
-    largest lag >= 32 they share: the form shows no significant drop and no unstable run
+    largest lag >= 32 they share: the form shows no significant drop and no collapsed run
     there; tis falls below its lag 0 or below every form present."""
     forms = [f for f in M2PO_FORMS if f in grid]
     lags = sorted(set(grid.get("tis", {})).intersection(*[set(grid[f]) for f in forms])) \
@@ -198,11 +202,12 @@ def measure_m2po(grid: Grid) -> dict:
     k = max(big)
     rows = [_acc_row(grid, arm, lag) for arm in forms + ["tis"] for lag in lags]
     for row in rows:
-        row["unstable_runs"] = _unstable(grid[row["arm"]][row["lag"]])
+        row["collapsed_runs"] = _collapsed(grid[row["arm"]][row["lag"]])
+        row["drift_flagged_runs"] = _drift_flagged(grid[row["arm"]][row["lag"]])
     at_k = {row["arm"]: row for row in rows if row["lag"] == k}
     heads = {f: versus(grid[f][k], grid["tis"][k]) for f in forms}
-    claims = {f"{f} at lag {k}: no significant drop vs lag 0, no unstable run":
-              at_k[f]["_cmp"].verdict != "worse" and at_k[f]["unstable_runs"] == 0
+    claims = {f"{f} at lag {k}: no significant drop vs lag 0, no collapsed run":
+              at_k[f]["_cmp"].verdict != "worse" and at_k[f]["collapsed_runs"] == 0
               for f in forms}
     claims[f"tis at lag {k}: significantly below its lag 0 or below "
            f"{' and '.join(forms)} at lag {k}"] = \
