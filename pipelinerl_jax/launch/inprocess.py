@@ -28,7 +28,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
+from typing import Optional
 
 from pipelinerl_jax import run_config
 from pipelinerl_jax.config import ConfigError
@@ -86,12 +88,19 @@ def run_inprocess(cfg, workdir: str) -> dict:
     pin(cfg, "learner")  # the runner gives learner and sampler the same cores
     from pipelinerl_jax import compile_cache
     compile_cache.enable()
-    train(cfg, workdir, init_ckpt)
+    stop = threading.Event()  # SIGTERM / Ctrl-C: the learner checkpoints and stops, as a role
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, lambda *_: stop.set())
+    train(cfg, workdir, init_ckpt, stop)
+    if stop.is_set():
+        raise KeyboardInterrupt("stopped before the last step; rerun to resume")
     return write_summary(workdir)
 
 
-def train(cfg, workdir: str, init_ckpt: str) -> dict:
-    """The learner, worker and evaluator of a resolved, checked config, wired in memory."""
+def train(cfg, workdir: str, init_ckpt: str, stop: Optional[threading.Event] = None) -> dict:
+    """The learner, worker and evaluator of a resolved, checked config, wired in memory;
+    `stop`, once set, ends the run at the next step (after a checkpoint)."""
     from pipelinerl_jax.envs import build_task
     from pipelinerl_jax.learner.loop import run_learner
     from pipelinerl_jax.rollout.eval_role import InlineEvaluator
@@ -104,7 +113,7 @@ def train(cfg, workdir: str, init_ckpt: str) -> dict:
     engine = make_engine(cfg, init_ckpt, 0, workdir)
     worker = RolloutWorker(cfg, engine, task, tok, queue, worker_index=0, workdir=workdir)
     evals = InlineEvaluator(cfg, workdir, init_ckpt) if cfg.learner.eval_every > 0 else None
-    stop, failed = threading.Event(), []
+    stop, failed = stop or threading.Event(), []
 
     def sample():
         try:
