@@ -60,7 +60,8 @@ def _tinker_arm(r: Run) -> Optional[str]:
 
 
 def _m2po_arm(r: Run, long: bool = False) -> Optional[str]:
-    """m2po in the paper's form (`m2po`), in the released code's (`m2po_released`), or capped
+    """m2po in the paper's form (`m2po`), in the released code's (`m2po_released` with the clip
+    floor, `m2po_authors` without it, as the authors' scripts run it), or capped
     tis; one minibatch; `long`: only the `:long` grid's runs (labelled steps=N), else only
     runs without that axis (a 160-step run must not pool with, or replace, the 60-step grid's
     run of the same loss, lag and seed)."""
@@ -72,7 +73,9 @@ def _m2po_arm(r: Run, long: bool = False) -> Optional[str]:
     if ("steps" in (r.labels or {})) != long:
         return None
     if name == "m2po" and r.get("loss.form") == "released":
-        return "m2po_released"
+        # the authors' form (no clip floor) and the floored one are two arms (their labels)
+        return "m2po_authors" if (r.labels or {}).get("loss") == "m2po_authors" \
+            else "m2po_released"
     return name
 
 
@@ -184,7 +187,7 @@ def _drift_flagged(cell: Dict[int, Run]) -> int:
     return sum(bool(summarize_run(r, None)["drift_flag"]) for r in cell.values())
 
 
-M2PO_FORMS = ("m2po", "m2po_released")
+M2PO_FORMS = ("m2po", "m2po_released", "m2po_authors")
 
 
 def measure_m2po(grid: Grid) -> dict:
@@ -215,7 +218,7 @@ def measure_m2po(grid: Grid) -> dict:
                                                        for h in heads.values())
     extra = {f"{f} - tis at lag {k}": f"{100 * h.diff:+.1f} ± {100 * h.half:.1f} pts "
                                       f"({h.verdict})" for f, h in heads.items()}
-    if len(forms) == 2:
+    if "m2po" in forms and "m2po_released" in forms:
         c = versus(grid["m2po_released"][k], grid["m2po"][k])
         extra[f"m2po_released - m2po at lag {k}"] = (f"{100 * c.diff:+.1f} ± {100 * c.half:.1f}"
                                                      f" pts ({c.verdict})")

@@ -61,7 +61,8 @@ CONFIG_COLUMNS = {
     "group_size": "rollout.group_size", "total_steps": "learner.total_steps",
     "minibatches": "learner.minibatches", "max_k": "lag_injection.max_k",
     "eval_size": "learner.eval_size", "loss_cap": "loss.cap", "loss_tau": "loss.tau",
-    "loss_form": "loss.form",
+    "loss_form": "loss.form", "loss_floor_low": "loss.floor_low",
+    "loss_floor_high": "loss.floor_high",
 }
 _FIRST_METRICS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean",
                   "lag/mean", "loss/ess", "loss/clip_frac", "loss/kl_k3")

@@ -60,3 +60,20 @@ def test_lag_contrasts_pair_each_arm_with_its_lag_0(tmp_path):
     assert [(r["arm"], r["lag"], r["n"]) for r in rows] == [("reinforce", 8, 3), ("ppo", 8, 3)]
     text = staleness.lag_contrasts_text(rows)
     assert "reinforce: lag 8 - lag 0 = " in text and "95% paired t, 3 seeds" in text
+
+
+def test_the_two_released_m2po_arms_stay_apart_in_the_verdict(tmp_path):
+    """Both are loss.name=m2po, form=released; only the floor (and the label) differs. Read
+    as one arm, two runs would claim one (lag, seed) slot and the verdict would refuse them."""
+    from pipelinerl_jax.ablation import repro
+    for label in ("m2po_released", "m2po_authors", "tis"):
+        for k in (0, 32):
+            for s in range(3):
+                synthetic.write_run(str(tmp_path / f"{label}{k}{s}"), injected=True, k=k, seed=s,
+                                    loss="tis" if label == "tis" else "m2po",
+                                    form=None if label == "tis" else "released",
+                                    labels={"loss": label, "lag": str(k), "seed": str(s)})
+    runs, _ = results.load_runs([str(tmp_path)])
+    (v,) = repro.verdicts("m2po_stale", runs)
+    assert {r["arm"] for r in v["rows"]} == {"m2po_released", "m2po_authors", "tis"}
+    assert "m2po_authors - tis at lag 32" in v["extra"]
