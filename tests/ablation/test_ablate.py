@@ -101,7 +101,7 @@ def test_second_invocation_skips_finished_runs(grid_run):
          f"--workdir={workdir}", "--dry_run"], capture_output=True, text=True, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "6 runs" in out.stdout
+    assert "16 runs" in out.stdout  # the quick grid: 2 losses x 2 lags x 4 seeds
 
 
 @pytest.mark.slow

@@ -117,13 +117,17 @@ def test_a_loss_needs_the_proximal_policy_exactly_when_it_weighs_both_old_polici
 
 def test_the_staleness_ablation_runs_every_registered_loss_with_its_defaults():
     """A loss added to the registry joins the grid as an arm of its own name with its
-    defaults (plus m2po's other form), so every arm builds a distinct loss."""
+    defaults (plus m2po's released form, with and without its floor), so every arm builds a
+    distinct loss."""
     from configs.ablate import staleness
     c = staleness.get_config()
     arms = {label: c.axes.loss.levels[label].loss for label in c.axes.loss.order}
     assert set(LOSSES) <= set(arms)
     assert all(arms[n].to_dict() == {"name": n} for n in LOSSES)
-    assert arms["m2po_released"].to_dict() == {"name": "m2po", "form": "released"}
+    # m2po's released form twice: as the authors' scripts run it, and with the clip floor
+    assert arms["m2po_authors"].to_dict() == {"name": "m2po", "form": "released"}
+    assert arms["m2po_released"].to_dict() == {"name": "m2po", "form": "released",
+                                               "floor_low": 0.3, "floor_high": 0.5}
     built = [tuple(sorted(get_loss(**a.to_dict()).hparams.items())) + (a.name,)
              for a in arms.values()]
     assert len(set(built)) == len(built)
