@@ -43,11 +43,23 @@ def main(argv):
         print(f"{len(runs)} runs")
         return
     out = runner.run_grid(_CONFIG.value, _WORKDIR.value, runs=runs)
+    _print_lag_contrasts(_WORKDIR.value)
     if _FIGURES.value:
         from pipelinerl_jax.ablation import figures
         out["figures"] = figures.make_all([_WORKDIR.value], _FIGURES.value)["figures"]
     print(json.dumps({k: v for k, v in out.items() if k not in ("ran", "skipped")}, indent=2,
                      default=str))
+
+
+def _print_lag_contrasts(workdir: str) -> None:
+    """For a lag-injected grid: each arm's lag-k minus lag-0 final accuracy, paired by seed."""
+    from pipelinerl_jax.ablation import results, staleness
+    runs, _ = results.load_runs([os.path.join(workdir, "runs")])
+    for lr, grid in staleness.by_learning_rate(runs).items():
+        rows = staleness.lag_contrasts(grid)
+        if rows:
+            print(f"final held-out accuracy, lag k - lag 0 (learning rate {lr:g}):")
+            print(staleness.lag_contrasts_text(rows), flush=True)
 
 
 if __name__ == "__main__":

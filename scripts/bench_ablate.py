@@ -37,6 +37,7 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", None, "Steps of the untimed warm-
 
 def _grid(parallel: int):
     c = staleness.get_config("quick")
+    c.runner.mode = "pipeline"  # this bench times the pipeline's schedules (quick: in-process)
     c.experiment.warm_start.checkpoint = _WARM.value
     c.experiment.learner.total_steps = _STEPS.value
     c.experiment.learner.eval_every = 0

@@ -3,7 +3,16 @@
   PYTHONPATH=. python scripts/staleness_report.py --results=results/staleness --out=table.md
   PYTHONPATH=. python scripts/staleness_report.py --results=runs/staleness --figures=figures/
 
-Writes (and prints), per learning rate of the runs found: final held-out accuracy per loss x
+First, per learning rate, the pre-registered protocol (docs/staleness_study.md) on its
+primary endpoint, final held-out accuracy: the null control (family 0: arms that are one
+update at lag 0 must not differ), the staleness cost (family 1: each key arm at each
+confirmatory lag against its lag 0) and the contrast with PPO-clip (family 2), each
+comparison with its 95% interval, the minimum detectable effect at 80% power and its raw and
+Holm-adjusted p-value (pipelinerl_jax/ablation/protocol.py); and where the runs ran
+(provenance: machines, library versions, code; cells mixing them are listed). Everything
+after that is secondary and labelled so.
+
+Then (secondary), per learning rate of the runs found: final held-out accuracy per loss x
 injected lag as "mean ± half-width" of the 95% Student-t interval over seeds, bold with an
 arrow where the seed-paired interval of the difference to the same loss at lag 0 excludes 0;
 the resolution of the loss-vs-loss comparisons at lags >= 4 (half-widths, minimum detectable
@@ -22,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from pipelinerl_jax.ablation import figures, results, staleness  # noqa: E402
+from pipelinerl_jax.ablation import figures, protocol, results, staleness  # noqa: E402
 
 _RESULTS = flags.DEFINE_list("results", [], "Committed-table folders, grid or run directories.")
 _OUT = flags.DEFINE_string("out", "", "Markdown file to write (default: print only).")
@@ -32,6 +41,56 @@ _REEVAL = flags.DEFINE_list(
     "reeval", [], "CSV(s) written by scripts/staleness_reeval.py: also give every comparison's "
     "resolution on the final checkpoints re-scored on the larger held-out set.")
 _JSON = flags.DEFINE_bool("json", False, "Also print the analysis as one JSON line.")
+_ARMS = flags.DEFINE_list("confirm_arms", list(protocol.KEY_ARMS),
+                          "The protocol's key arms (families 1 and 2; those present).")
+_LAGS = flags.DEFINE_list("confirm_lags", [str(k) for k in protocol.CONFIRM_LAGS],
+                          "The protocol's confirmatory lags (families 1 and 2).")
+
+
+def protocol_section(grid, lr) -> tuple:
+    """The protocol's families on the primary endpoint for one learning rate: (markdown
+    lines, JSON)."""
+    fn = staleness.final_accuracy
+    base = {a.split(" (")[0]: a for a in grid}  # lowlr labels carry "(lr=...)"
+    arms = [base[a] for a in _ARMS.value if a in base]
+    lags = [int(k) for k in _LAGS.value]
+    ref = base.get(protocol.REFERENCE_ARM, protocol.REFERENCE_ARM)
+    fams = {"null control": protocol.null_control(grid, fn),
+            "staleness cost": protocol.staleness_cost(grid, fn, arms, lags),
+            "vs PPO-clip": protocol.versus_reference(grid, fn, arms, lags, ref)}
+    lines = [f"## Protocol, learning rate {lr:g}: primary endpoint (final held-out accuracy)", "",
+             f"Key arms present: {', '.join(arms) or 'none'}; confirmatory lags: "
+             f"{', '.join(map(str, lags))}. Holm within each family, 5% two-sided.", ""]
+    null = fams["null control"]
+    lines += ["### Family 0: null control (lag 0; one update in exact arithmetic: "
+              f"{', '.join(protocol.null_arms(grid)) or 'none'})", "",
+              protocol.family_markdown(null), "",
+              f"Null control {'PASSES' if not any(r['significant'] for r in null) else 'FAILS'}"
+              f": {sum(r['p'] < 0.05 for r in null)} of {len(null)} raw p < 0.05, "
+              f"{sum(r['significant'] for r in null)} after Holm.", ""]
+    lines += ["### Family 1: staleness cost (each key arm at lag L vs its lag 0)", "",
+              protocol.family_markdown(fams["staleness cost"]), "",
+              "### Family 2: each key arm vs PPO-clip at the same lag", "",
+              protocol.family_markdown(fams["vs PPO-clip"]), ""]
+    return lines, {k: v for k, v in fams.items()}
+
+
+def provenance_section(runs) -> tuple:
+    """Where the runs ran, and the cells whose runs disagree on it."""
+    prov = results.mixed_provenance(runs)
+    lines = ["## Provenance of the runs", "",
+             "| field | values (runs) |", "|---|---|"]
+    for col, vals in prov["values"].items():
+        lines.append(f"| {col} | " + "; ".join(f"{v} ({n})" for v, n in sorted(vals.items()))
+                     + " |")
+    mixed = prov["mixed_cells"]
+    cells = sorted({m["cell"] for m in mixed})
+    lines += ["", (f"{len(cells)} cells mix runs of different provenance (or recorded with "
+                   f"unrecorded): " + ", ".join(cells[:20]) + (" ..." if len(cells) > 20 else "")
+                   if cells else "No cell mixes runs of different provenance."),
+              "'unrecorded': runs from before provenance was recorded (their machine, "
+              "libraries and code version are not known; docs/staleness_study.md).", ""]
+    return lines, prov
 
 
 def main(argv):
@@ -45,6 +104,13 @@ def main(argv):
     if not groups:
         sys.exit("no lag-injected runs with evaluations under " + ",".join(_RESULTS.value))
     parts, out_json = [], {}
+    for lr, grid in groups.items():
+        lines, fams = protocol_section(staleness.main_arms(grid), lr)
+        parts += lines
+        out_json[f"protocol {lr:g}"] = fams
+    lines, out_json["provenance"] = provenance_section(runs)
+    parts += lines + ["# Secondary analyses (not the protocol's primary endpoint or families)",
+                      ""]
     for lr, grid in groups.items():
         main = staleness.main_arms(grid)
         ess = staleness.ess_analysis(main, _ESS.value)

@@ -7,6 +7,8 @@
 #   FINISHED=1 bash scripts/staleness_study.sh ROOT ...   # skip the committed runs too
 #   ONLY=main bash scripts/staleness_study.sh ROOT 1 9      # one grid's seeds first
 #   LAGS=0,4,8,16,32 ONLY=main bash scripts/staleness_study.sh ROOT 4 13   # the goal's lags
+#   GRIDS=protocol bash scripts/staleness_study.sh ROOT 0 29   # the pre-registered grids
+#   GRIDS=protocol ONLY=mb4 bash scripts/staleness_study.sh ROOT 0 29   # one of them
 #
 # Grids, per seed: the full grid (configs/ablate/staleness.py: 10 loss arms x 7 lags), its
 # learning-rate-5e-5 subgrid (:lowlr, 7 arms x 7 lags), the tinker KL repro (lag 3, in the
@@ -45,6 +47,37 @@ grid() {  # grid NAME CONFIG SEED: runs already committed under results/stalenes
 # sitting 7 ran main's seeds 4+ at 0,4,8,16,32 first and leaves lags 1-2 for later). Any seed
 # number runs (its level is set per call; the configs list seeds 0-9).
 want() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
+# GRIDS=protocol: the pre-registered grids (configs/ablate/staleness_protocol.py, docs/
+# staleness_study.md, Protocol), in-process, seed by seed; ONLY=<arg> runs one of them
+# ('main' for its '' grid). countdown/sort/large train their own warm start in ROOT/<arg>.
+if [ "${GRIDS:-}" = "protocol" ]; then
+  P=configs/ablate/staleness_protocol.py
+  for seed in $(seq "$FIRST" "$LAST"); do
+    for arg in main mb4 varlag async sweep drift countdown sort large; do
+      want "$arg" || continue
+      cfg="$P:${arg#main}"
+      [ "$arg" = main ] && cfg="$P"
+      echo "=== $(date -u +%H:%M:%S) protocol $arg seed $seed"
+      if python - "$cfg" "$seed" <<'PY'
+import sys; sys.path.insert(0, ".")
+import importlib.util
+path, _, arg = sys.argv[1].partition(":")
+spec = importlib.util.spec_from_file_location("c", path); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+sys.exit(0 if int(sys.argv[2]) in m.get_config(arg).axes.seed.levels else 1)
+PY
+      then
+        warm=()
+        case "$arg" in countdown|sort|large) ;; *)
+          warm=(--config.experiment.warm_start.checkpoint="$WARM") ;; esac
+        python experiments/ablate.py --config="$cfg" --workdir="$ROOT/protocol/$arg" \
+          "${warm[@]}" --config.axes.seed.only="$seed" ${LAGS:+--config.axes.lag.only="$LAGS"}
+      fi
+    done
+  done
+  echo "=== $(date -u +%H:%M:%S) done: protocol seeds $FIRST-$LAST"
+  exit 0
+fi
 for seed in $(seq "$FIRST" "$LAST"); do
   want main && grid main configs/ablate/staleness.py "$seed"
   want lowlr && grid lowlr configs/ablate/staleness.py:lowlr "$seed"

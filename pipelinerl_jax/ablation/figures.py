@@ -164,7 +164,8 @@ def _cell_stats(runs: Sequence[Run], fn) -> tuple:
 def lag_ablation(runs: Sequence[Run], out: str) -> dict:
     """Final held-out accuracy vs injected lag, one line per loss: mean and 95% t-interval
     over seeds (left) and the mean KL(behaviour || current) with its interval (right); a
-    cross marks a cell where a run was unstable (non-finite steps or diverged)."""
+    cross marks a cell where a run collapsed (non-finite steps, an accuracy collapse or a
+    diverged run)."""
     runs = [r for r in runs if _injected(r) and r.evals]
     if not runs:
         raise Skip("needs runs with lag_injection.enabled (configs/ablate/staleness.py)")
@@ -184,7 +185,7 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
                     ms=4, lw=1.4, capsize=2, label=loss)
         ax_kl.errorbar(x, [k[0] for k in kl], yerr=[k[1] for k in kl], color=color,
                        marker="o", ms=4, lw=1.4, capsize=2)
-        bad = [(xx, a[0]) for xx, k, a in zip(x, ks, acc) if any(map(_unstable, by_lag[k]))]
+        bad = [(xx, a[0]) for xx, k, a in zip(x, ks, acc) if any(map(_collapsed, by_lag[k]))]
         if bad:
             ax.plot(*zip(*bad), "x", color="k", ms=7)
         facts["losses"][loss] = {str(k): {"final_eval_accuracy_mean": a[0],
@@ -200,7 +201,7 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
     seeds = max(len(v) for v in _groups(runs, lambda r: r.cell).values())
     ax.set(ylabel="final held-out greedy accuracy",
            title=f"accuracy vs staleness (mean, 95% t-interval, {seeds} seed"
-                 f"{'s' * (seeds > 1)}; x = unstable)")
+                 f"{'s' * (seeds > 1)}; x = collapsed)")
     ax_kl.set(ylabel="mean KL(behaviour || current), k3", title="off-policy drift during training")
     ax_kl.set_yscale("symlog", linthresh=1e-3)
     ax_kl.set_ylim(bottom=0)
@@ -216,9 +217,9 @@ def _mean_metric(r: Run, key: str) -> Optional[float]:
     return float(v.mean()) if v.size else None
 
 
-def _unstable(r: Run) -> bool:
-    """Non-finite steps, an accuracy collapse, a KL spike or a diverged run (results.py)."""
-    return summarize_run(r, None)["unstable"]
+def _collapsed(r: Run) -> bool:
+    """Non-finite steps, an accuracy collapse or a diverged run (results.py)."""
+    return summarize_run(r, None)["collapsed"]
 
 
 def _bucket_mean(rs: Sequence[Run], b: str, name: str) -> Optional[float]:

@@ -75,6 +75,10 @@ def ablation_config(experiment: ml_collections.ConfigDict) -> ml_collections.Con
     c.axes = ml_collections.ConfigDict()
     c.seed_axis = "seed"
     c.runner = ml_collections.ConfigDict(dict(
+        # 'pipeline': each run launches its queue, learner, worker and evaluator processes
+        # (launch/launcher.py); 'inprocess': a lag-injected run in one process, the same parts
+        # wired in memory (launch/inprocess.py), several times cheaper
+        mode="pipeline",
         parallel=1,  # runs at once
         pin=True,  # with parallel > 1: run i's processes all share core set i (see split_cores)
         cores="",  # cores to use, e.g. "0-1"; "" = this process's affinity

@@ -60,7 +60,8 @@ def _tinker_arm(r: Run) -> Optional[str]:
 
 
 def _m2po_arm(r: Run, long: bool = False) -> Optional[str]:
-    """m2po in the paper's form (`m2po`), in the released code's (`m2po_released`), or capped
+    """m2po in the paper's form (`m2po`), in the released code's (`m2po_released` with the clip
+    floor, `m2po_authors` without it, as the authors' scripts run it), or capped
     tis; one minibatch; `long`: only the `:long` grid's runs (labelled steps=N), else only
     runs without that axis (a 160-step run must not pool with, or replace, the 60-step grid's
     run of the same loss, lag and seed)."""
@@ -72,7 +73,9 @@ def _m2po_arm(r: Run, long: bool = False) -> Optional[str]:
     if ("steps" in (r.labels or {})) != long:
         return None
     if name == "m2po" and r.get("loss.form") == "released":
-        return "m2po_released"
+        # the authors' form (no clip floor) and the floored one are two arms (their labels)
+        return "m2po_authors" if (r.labels or {}).get("loss") == "m2po_authors" \
+            else "m2po_released"
     return name
 
 
@@ -176,16 +179,20 @@ def _mean(values) -> Optional[float]:
     return float(np.mean(v)) if v else None
 
 
-def _unstable(cell: Dict[int, Run]) -> int:
-    return sum(bool(summarize_run(r, None)["unstable"]) for r in cell.values())
+def _collapsed(cell: Dict[int, Run]) -> int:
+    return sum(bool(summarize_run(r, None)["collapsed"]) for r in cell.values())
 
 
-M2PO_FORMS = ("m2po", "m2po_released")
+def _drift_flagged(cell: Dict[int, Run]) -> int:
+    return sum(bool(summarize_run(r, None)["drift_flag"]) for r in cell.values())
+
+
+M2PO_FORMS = ("m2po", "m2po_released", "m2po_authors")
 
 
 def measure_m2po(grid: Grid) -> dict:
     """Each m2po form present (the paper's, the released code's) against capped tis at the
-    largest lag >= 32 they share: the form shows no significant drop and no unstable run
+    largest lag >= 32 they share: the form shows no significant drop and no collapsed run
     there; tis falls below its lag 0 or below every form present."""
     forms = [f for f in M2PO_FORMS if f in grid]
     lags = sorted(set(grid.get("tis", {})).intersection(*[set(grid[f]) for f in forms])) \
@@ -198,11 +205,12 @@ def measure_m2po(grid: Grid) -> dict:
     k = max(big)
     rows = [_acc_row(grid, arm, lag) for arm in forms + ["tis"] for lag in lags]
     for row in rows:
-        row["unstable_runs"] = _unstable(grid[row["arm"]][row["lag"]])
+        row["collapsed_runs"] = _collapsed(grid[row["arm"]][row["lag"]])
+        row["drift_flagged_runs"] = _drift_flagged(grid[row["arm"]][row["lag"]])
     at_k = {row["arm"]: row for row in rows if row["lag"] == k}
     heads = {f: versus(grid[f][k], grid["tis"][k]) for f in forms}
-    claims = {f"{f} at lag {k}: no significant drop vs lag 0, no unstable run":
-              at_k[f]["_cmp"].verdict != "worse" and at_k[f]["unstable_runs"] == 0
+    claims = {f"{f} at lag {k}: no significant drop vs lag 0, no collapsed run":
+              at_k[f]["_cmp"].verdict != "worse" and at_k[f]["collapsed_runs"] == 0
               for f in forms}
     claims[f"tis at lag {k}: significantly below its lag 0 or below "
            f"{' and '.join(forms)} at lag {k}"] = \
@@ -210,7 +218,7 @@ def measure_m2po(grid: Grid) -> dict:
                                                        for h in heads.values())
     extra = {f"{f} - tis at lag {k}": f"{100 * h.diff:+.1f} ± {100 * h.half:.1f} pts "
                                       f"({h.verdict})" for f, h in heads.items()}
-    if len(forms) == 2:
+    if "m2po" in forms and "m2po_released" in forms:
         c = versus(grid["m2po_released"][k], grid["m2po"][k])
         extra[f"m2po_released - m2po at lag {k}"] = (f"{100 * c.diff:+.1f} ± {100 * c.half:.1f}"
                                                      f" pts ({c.verdict})")

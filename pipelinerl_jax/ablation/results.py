@@ -16,7 +16,11 @@ Per run (`summarize_run`), from the held-out greedy accuracy `eval/accuracy` log
   collapse_step                       first eval below `collapse_ratio` x the initial accuracy
                                       (only when that is >= `collapse_min_accuracy`);
   kl_spike_steps                      steps with KL(behaviour || current) k3 > `kl_spike`;
-  unstable                            any of the three above, or the run diverged;
+  drift_flag                          any such step: the behaviour policy drifted far from the
+                                      current one (at lr 2e-4 and large lag that is the norm,
+                                      not by itself a failure);
+  collapsed                           non-finite steps, an accuracy collapse, or a diverged
+                                      run: the run failed;
   stalest_bucket, {ess,clip_frac,kl_k3}_stalest   the stalest lag bucket that holds trained
                                       tokens, and its token-weighted mean diagnostics.
 Per cell (`summarize_cells`): mean, std (ddof 0), min, max, n and the 95% Student-t interval
@@ -46,6 +50,7 @@ import numpy as np
 from pipelinerl_jax.ablation.stats import t_interval
 from pipelinerl_jax.lag_buckets import LAG_BUCKETS  # loss/lag_<bucket>/<name> columns
 from pipelinerl_jax.metrics import EVAL_LOG, merge_evals, read_jsonl
+from pipelinerl_jax.provenance import FIELDS as PROVENANCE_FIELDS
 
 # Config values every table carries (column -> dotted key in the experiment config).
 CONFIG_COLUMNS = {
@@ -56,11 +61,18 @@ CONFIG_COLUMNS = {
     "group_size": "rollout.group_size", "total_steps": "learner.total_steps",
     "minibatches": "learner.minibatches", "max_k": "lag_injection.max_k",
     "eval_size": "learner.eval_size", "loss_cap": "loss.cap", "loss_tau": "loss.tau",
-    "loss_form": "loss.form",
+    "loss_form": "loss.form", "loss_floor_low": "loss.floor_low",
+    "loss_floor_high": "loss.floor_high",
 }
 _FIRST_METRICS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean",
                   "lag/mean", "loss/ess", "loss/clip_frac", "loss/kl_k3")
 
+
+# Where a run ran (pipelinerl_jax/provenance.py, recorded by the runner in status.json) and
+# how (runner.mode): runs.csv columns. A run whose status holds none (every run before these
+# were recorded) reads "unrecorded" in each, never a guess.
+PROVENANCE_COLUMNS = PROVENANCE_FIELDS + ("runner_mode",)
+PROVENANCE_UNRECORDED = "unrecorded"
 
 # Folders of a grid directory that hold no results (runner.py).
 NOT_RUNS = ("warm_start", "xla_cache", "warmup")
@@ -82,6 +94,7 @@ class Run:
     status: str  # done | diverged | failed | partial | unknown
     # From committed tables: "response_lengths" {length: count}, "lag_hist" [tokens per lag]
     extras: dict = dataclasses.field(default_factory=dict)
+    provenance: dict = dataclasses.field(default_factory=dict)  # PROVENANCE_COLUMNS, or {}
 
     def get(self, key: str, default=None):
         return config_value(self.config, key, default)
@@ -195,10 +208,13 @@ def load_run(path: str) -> Run:
                        + (f" ({bad} malformed lines)" if bad else ""))
     rows = merge_evals([by_step[s] for s in sorted(by_step)],
                        read_jsonl(os.path.join(path, EVAL_LOG)))  # the evaluator's records
-    status = "unknown"
+    status, provenance = "unknown", {}
     try:
         st = _read_json(os.path.join(path, "status.json"))
         status = st.get("status", status)
+        provenance = dict(st.get("provenance") or {})
+        if st.get("mode"):
+            provenance["runner_mode"] = st["mode"]
     except (OSError, json.JSONDecodeError, AttributeError):
         if os.path.exists(os.path.join(path, "summary.json")):
             status = "done"
@@ -208,7 +224,8 @@ def load_run(path: str) -> Run:
     name = spec.get("name") if spec else None
     name = name or os.path.basename(os.path.normpath(path))
     cell = spec.get("cell", name) if spec else name
-    return Run(name, os.path.abspath(path), labels, cell, config, rows, status)
+    return Run(name, os.path.abspath(path), labels, cell, config, rows, status,
+               provenance=provenance)
 
 
 def find_run_dirs(roots: Iterable[str], max_depth: int = 3) -> Tuple[List[str], List[str]]:
@@ -344,9 +361,36 @@ def summarize_run(run: Run, analysis) -> dict:
     out.update(stalest_diagnostics(run))
     span = out["wall_time_s"]
     out["steps_per_min"] = 60 * out["steps"] / span if span else None
-    out["unstable"] = bool(nonfinite or collapse is not None or out["kl_spike_steps"]
-                           or run.status == "diverged")
+    out["drift_flag"] = bool(out["kl_spike_steps"])
+    out["collapsed"] = bool(nonfinite or collapse is not None or run.status == "diverged")
+    out.update(provenance_of(run))
     return out
+
+
+def provenance_of(run: Run) -> Dict[str, str]:
+    """Where and how `run` ran (PROVENANCE_COLUMNS), "unrecorded" where it was not kept."""
+    return {col: run.provenance.get(col) or PROVENANCE_UNRECORDED for col in PROVENANCE_COLUMNS}
+
+
+def mixed_provenance(runs: Sequence[Run]) -> dict:
+    """{"values": {column: {value: runs}}, "mixed_cells": [{cell, column, values}]}: how the
+    runs' provenance is spread, and every cell whose runs disagree on a column (machines,
+    library versions, code, mode; "unrecorded" beside a recorded value counts as a
+    disagreement: nobody knows whether those runs match)."""
+    values: Dict[str, Dict[str, int]] = {c: {} for c in PROVENANCE_COLUMNS}
+    cells: Dict[str, List[Dict[str, str]]] = {}
+    for r in runs:
+        p = provenance_of(r)
+        for c, v in p.items():
+            values[c][v] = values[c].get(v, 0) + 1
+        cells.setdefault(r.cell, []).append(p)
+    mixed = []
+    for cell, ps in sorted(cells.items()):
+        for c in PROVENANCE_COLUMNS:
+            seen = sorted({p[c] for p in ps})
+            if len(seen) > 1:
+                mixed.append({"cell": cell, "column": c, "values": seen})
+    return {"values": values, "mixed_cells": mixed}
 
 
 def stalest_diagnostics(run: Run) -> dict:
@@ -378,7 +422,7 @@ def _analysis(analysis) -> dict:
 CELL_FIGURES = ("final_eval_accuracy", "best_eval_accuracy", "time_to_target_s",
                 "steps_to_target", "nonfinite_steps", "kl_spike_steps", "max_kl_k3",
                 "lag_mean", "ess_mean", "clip_frac_mean", "kl_k3_mean", "wall_time_s",
-                "steps_per_min", "unstable", "ess_stalest", "clip_frac_stalest",
+                "steps_per_min", "drift_flag", "collapsed", "ess_stalest", "clip_frac_stalest",
                 "kl_k3_stalest")
 
 
@@ -594,5 +638,7 @@ def load_tables(folder: str) -> Tuple[List[Run], List[str]]:
             node[last] = value
         runs.append(Run(m["run"], os.path.abspath(folder), _labels_of(m["run"]),
                         m.get("cell") or m["run"], config, rows, m.get("status", "unknown"),
-                        extras.get(m["run"], {"response_lengths": {}, "lag_hist": []})))
+                        extras.get(m["run"], {"response_lengths": {}, "lag_hist": []}),
+                        {col: m[col] for col in PROVENANCE_COLUMNS
+                         if m.get(col) and m[col] != PROVENANCE_UNRECORDED}))
     return runs, problems

@@ -52,6 +52,7 @@ from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.launch import launch, outcome
 from pipelinerl_jax.launch.supervisor import Child, exit_now, tail, wait_any
 from pipelinerl_jax.launch.warm_start import warm_start
+from pipelinerl_jax.provenance import provenance
 
 FINAL = ("done", "diverged")
 STOP_GRACE_S = 60.0  # a run's launcher stops its own children within their timeouts
@@ -123,10 +124,21 @@ def _env(c, workdir: str) -> dict:
     return env
 
 
-def run_child(run_dir: str, env: dict) -> Child:
-    """The started process of one run (`python -m pipelinerl_jax.ablation.runner run DIR`),
-    its output in `run_dir/ablate.log`; SIGTERM makes its launcher stop the run in order."""
-    return Child("run", [sys.executable, "-m", "pipelinerl_jax.ablation.runner", "run", run_dir],
+RUN_MODES = ("pipeline", "inprocess")
+
+
+def check_mode(mode: str) -> str:
+    """`runner.mode`: 'pipeline' (every run a launch of separate processes, as a real run) or
+    'inprocess' (a lag-injected run in one process, `launch/inprocess.py`)."""
+    if mode not in RUN_MODES:
+        raise ConfigError("runner.mode", f"unknown {mode!r}; valid: {RUN_MODES}")
+    return mode
+
+
+def run_child(run_dir: str, env: dict, mode: str = "pipeline") -> Child:
+    """The started process of one run (`python -m pipelinerl_jax.ablation.runner MODE DIR`),
+    its output in `run_dir/ablate.log`; SIGTERM makes it stop the run in order."""
+    return Child("run", [sys.executable, "-m", "pipelinerl_jax.ablation.runner", mode, run_dir],
                  os.path.join(run_dir, "ablate.log"), env=env).start()
 
 
@@ -224,8 +236,13 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
     Returns {"runs": n, "ran": [...], "skipped": [...], "failed": [...], "wall_s": s,
     "warmup_s": s (of it, the compile warm-up's)}."""
     workdir = os.path.abspath(workdir)
-    os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
+    mode = check_mode(c.runner.get("mode", "pipeline"))
     runs = runs if runs is not None else expand(c)
+    if mode == "inprocess":  # every run checked before anything starts
+        from pipelinerl_jax.launch.inprocess import check_inprocess
+        for r in runs:
+            check_inprocess(run_config.resolve(ml_collections.ConfigDict(r.config.to_dict())))
+    os.makedirs(os.path.join(workdir, "runs"), exist_ok=True)
     runs = replicate_major(c, runs)
     _write_json(os.path.join(workdir, "ablation.json"), json.loads(c.to_json_best_effort()))
     t_start = time.time()
@@ -281,7 +298,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
                         cfg.resources.learner_cores = slots[slot]
                         cfg.resources.sampler_cores = slots[slot]
                     _write_json(os.path.join(run_dir, "launch_config.json"), cfg.to_dict())
-                    active[slot] = (r, run_dir, run_child(run_dir, env), how)
+                    active[slot] = (r, run_dir, run_child(run_dir, env, mode), how)
                     log(f"  {how:6s} {r.name}" + (f"  [cores {slots[slot]}]" if slots[slot] else ""))
                 wait_any([p for _, _, p, _ in active.values()], 1.0)  # wakes on an exit
                 for slot, (r, run_dir, p, how) in list(active.items()):
@@ -291,7 +308,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
                         code = -1
                     if code is None:
                         continue
-                    status = _finish(run_dir, p, code, slots[slot], how)
+                    status = _finish(run_dir, p, code, slots[slot], how, mode)
                     (ran if status in FINAL else failed).append(r.name)
                     log(f"  {status:8s} {r.name} in {time.time() - p.started_at:.0f} s"
                         + _brief(run_dir))
@@ -310,7 +327,7 @@ def run_grid(c: ml_collections.ConfigDict, workdir: str, log=print,
 
 
 def warmup(cfg: ml_collections.ConfigDict, directory: str, steps: int, env: dict,
-           timeout_s: float = 3600.0) -> dict:
+           timeout_s: float = 3600.0, mode: str = "pipeline") -> dict:
     """A throwaway run of `steps` learner steps of experiment `cfg` in `directory`, so that
     XLA's persistent cache (`env`'s PIPELINERL_JAX_CACHE) holds its compiled programs (train
     step buckets, engine and evaluator) before any timed run: otherwise the first run of a
@@ -327,7 +344,7 @@ def warmup(cfg: ml_collections.ConfigDict, directory: str, steps: int, env: dict
     cfg.learner.checkpoint_every = steps
     _write_json(os.path.join(directory, "launch_config.json"), cfg.to_dict())
     t0 = time.time()
-    code = run_child(directory, env).wait(timeout_s, grace=STOP_GRACE_S)
+    code = run_child(directory, env, mode).wait(timeout_s, grace=STOP_GRACE_S)
     return {"steps": steps, "wall_s": round(time.time() - t0, 1), "exit_code": code}
 
 
@@ -336,7 +353,7 @@ def _warmup(c, workdir: str, first: RunSpec, ckpt: str, env: dict, log) -> float
     cfg = ml_collections.ConfigDict(first.config.to_dict())
     cfg.warm_start.checkpoint = ckpt
     out = warmup(cfg, os.path.join(workdir, "warmup"), c.runner.warmup_steps, env,
-                 c.runner.run_timeout_s)
+                 c.runner.run_timeout_s, check_mode(c.runner.get("mode", "pipeline")))
     if out["wall_s"]:
         log(f"  warmup ({out['steps']} steps of {first.name}, fills the XLA cache; not a "
             f"result) exit {out['exit_code']} in {out['wall_s']:.0f} s")
@@ -353,12 +370,15 @@ def run_outcome(run_dir: str, code: int, since: float) -> str:
     return "failed"
 
 
-def _finish(run_dir: str, p: Child, code: int, cores, how: str) -> str:
+def _finish(run_dir: str, p: Child, code: int, cores, how: str, mode: str) -> str:
+    """Writes the run's status.json: outcome, time, and where and how it ran (`provenance`:
+    library versions, CPU, code version, machine; `mode`: runner.mode)."""
     status = run_outcome(run_dir, code, p.started_at)
     prev = _read_json(os.path.join(run_dir, "status.json")) or {}
     _write_json(os.path.join(run_dir, "status.json"), {
         "status": status, "returncode": code, "seconds": time.time() - p.started_at,
         "attempts": prev.get("attempts", 0) + 1, "cores": cores, "how": how,
+        "mode": mode, "provenance": provenance(),
         "error": None if status == "done" else tail(p.log_path, 60)[-2000:]})
     return status
 
@@ -371,14 +391,19 @@ def _brief(run_dir: str) -> str:
 
 # ============================================================================ child side
 
-def _child(role: str, run_dir: str) -> int:
-    """`run`: launch the run described by run_dir/launch_config.json."""
+def _child(mode: str, run_dir: str) -> int:
+    """Runs the run described by run_dir/launch_config.json: `pipeline` (also `run`) launches
+    its processes, `inprocess` runs it in this one."""
     run_dir = os.path.abspath(run_dir)
-    if role == "run":
-        cfg = ml_collections.ConfigDict(_read_json(os.path.join(run_dir, "launch_config.json")))
+    cfg = ml_collections.ConfigDict(_read_json(os.path.join(run_dir, "launch_config.json")))
+    if mode in ("run", "pipeline"):
         print(json.dumps(launch(cfg, run_dir, progress=False)), flush=True)
         return 0
-    raise SystemExit(f"unknown role {role!r} (valid: run)")
+    if mode == "inprocess":
+        from pipelinerl_jax.launch.inprocess import run_inprocess  # JAX: after the fork
+        print(json.dumps(run_inprocess(cfg, run_dir)), flush=True)
+        return 0
+    raise SystemExit(f"unknown mode {mode!r} (valid: {RUN_MODES})")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ bucket) beside lag, across learning rates.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -543,3 +543,27 @@ def drift_markdown(rows: Sequence[dict], per: dict, scale: float = 100.0) -> str
         out.append(f"| {loss} | {a['cells']} | {num(a['r2_lag'])} | {num(a['r2_kl'])} | "
                    f"{num(a['spearman_lag'])} | {num(a['spearman_kl'])} |")
     return "\n".join(out)
+
+
+# ============================================================================ lag contrasts
+
+def lag_contrasts(grid: Grid, fn=final_accuracy) -> List[dict]:
+    """Each arm at each lag > 0 against the same arm at lag 0, paired by seed: what a
+    lag-injected grid shows first (experiments/ablate.py prints it)."""
+    rows = []
+    for arm in _order(grid):
+        cells = grid[arm]
+        for k in sorted(x for x in cells if x > 0 and 0 in cells):
+            c = versus(cells[k], cells[0], fn)
+            rows.append({"arm": arm, "lag": k, "n": c.n, "diff": c.diff, "half": c.half,
+                         "verdict": c.verdict})
+    return rows
+
+
+def lag_contrasts_text(rows: Sequence[dict], scale: float = 100.0) -> str:
+    return "\n".join(
+        f"{r['arm']}: lag {r['lag']} - lag 0 = {r['diff'] * scale:+.1f} "
+        + (f"± {r['half'] * scale:.1f} pts (95% paired t, {r['n']} seeds; {r['verdict']})"
+           if math.isfinite(r["half"]) else f"pts ({r['n']} seed{'s' * (r['n'] != 1)}: no "
+                                            f"interval)")
+        for r in rows)

@@ -55,7 +55,6 @@ def _free_port(host: str) -> int:
 
 def launch(cfg, workdir: str, progress: bool = True) -> dict:
     """Runs a whole experiment; returns the learner's final metrics (see module docstring)."""
-    from pipelinerl_jax.metrics import plot_reward, read_metrics  # numpy: roles pin first
     from pipelinerl_jax.rollout.eval_versions import clear_final, eval_root
 
     run_config.validate(cfg)
@@ -151,6 +150,13 @@ def launch(cfg, workdir: str, progress: bool = True) -> dict:
         for s, h in old.items():
             signal.signal(s, h)
     stop_all(children, cfg.launch.shutdown_timeout_s)
+    return write_summary(workdir)
+
+
+def write_summary(workdir: str) -> dict:
+    """The end of a run, whichever way it ran: reward vs wall-clock plotted and
+    `summary.json` (first and last held-out accuracy); returns the summary."""
+    from pipelinerl_jax.metrics import plot_reward, read_metrics  # numpy: roles pin first
     plot = plot_reward(workdir)
     rows = read_metrics(workdir)
     final = {k: v for k, v in (rows[-1] if rows else {}).items() if not isinstance(v, list)}

@@ -291,7 +291,8 @@ def m2po_clip_bound(d2: Array, harmful: Array, tau) -> Array:
     return lax.cond(over, solve, lambda _: jnp.float32(jnp.inf), None)
 
 
-def m2po(x: Prepared, tau: float, form: str, floor_low: float, floor_high: float) -> Terms:
+def m2po(x: Prepared, tau: float, form: str, floor_low: Optional[float],
+         floor_high: Optional[float]) -> Terms:
     """M2PO (second-moment trust policy optimisation, Zheng et al. 2025): bound the second
     moment of the log-ratio to the behaviour policy, d = sg(log π_θ - log μ), instead of
     clipping each ratio. Two forms:
@@ -302,9 +303,10 @@ def m2po(x: Prepared, tau: float, form: str, floor_low: float, floor_high: float
     'released' (the authors' released code): the second moment is taken only over *harmful*
     tokens, whose ratio ρ = π_θ/μ moves against the advantage (A > 0 and ρ > 1, or A < 0 and
     ρ < 1). If their mean d² exceeds tau, a cap θ on d² that brings it to tau is found and
-    turned into one PPO clip range for the batch, [e^-√θ, e^√θ], which never tightens below
-    the floor [1 - floor_low, 1 + floor_high]: ℓ = -min(ρ·A, clip(ρ, lo, hi)·A). Within budget
-    nothing is clipped (ℓ = -ρ·A)."""
+    turned into one PPO clip range for the batch, [e^-√θ, e^√θ]: ℓ = -min(ρ·A, clip(ρ, lo,
+    hi)·A). Within budget nothing is clipped (ℓ = -ρ·A). Optionally (the released code's
+    miniclip_low / miniclip_high, which the authors' training scripts leave unset) the range
+    never tightens below the floor [1 - floor_low, 1 + floor_high]."""
     d = sg(x.logp - x.logp_mu)
     n = jnp.maximum(jnp.sum(x.trained), 1)
     d2_mean = jnp.sum(jnp.where(x.trained, d * d, 0.0)) / n
@@ -313,8 +315,11 @@ def m2po(x: Prepared, tau: float, form: str, floor_low: float, floor_high: float
         harmful = x.trained & (((x.adv > 0) & (d > 0)) | ((x.adv < 0) & (d < 0)))
         theta = m2po_clip_bound(d * d, harmful, tau)
         half = jnp.sqrt(theta)
-        lo = jnp.minimum(jnp.exp(-half), 1.0 - jnp.float32(floor_low))
-        hi = jnp.maximum(jnp.exp(half), 1.0 + jnp.float32(floor_high))
+        lo, hi = jnp.exp(-half), jnp.exp(half)
+        if floor_low is not None:
+            lo = jnp.minimum(lo, 1.0 - jnp.float32(floor_low))
+        if floor_high is not None:
+            hi = jnp.maximum(hi, 1.0 + jnp.float32(floor_high))
         ell = clipped_surrogate(rho, x.adv, lo, hi)
         n_harm = jnp.maximum(jnp.sum(harmful), 1)
         return Terms(ell=ell, clip_low=rho < lo, clip_high=rho > hi,

@@ -107,9 +107,12 @@ LOSSES = {
     "m2po": LossSpec(policy.m2po, {
         "tau": HParam(0.04, float, _number(0, lo_open=True)),
         "form": HParam("paper", str, _choice(("paper", "released"))),
-        # The released code's floor on its clip range (its miniclip_low / miniclip_high).
-        "floor_low": HParam(0.3, float, _number(0, 1)),
-        "floor_high": HParam(0.5, float, _number(0))}),
+        # The released code's optional floor on its clip range (its miniclip_low /
+        # miniclip_high): unset, as in the authors' training scripts (their actor passes
+        # config.get("miniclip_low", None) and no script sets it); 0.3 / 0.5 is the floor
+        # their loss function's signature defaults to.
+        "floor_low": HParam(None, float, _number(0, 1, optional=True)),
+        "floor_high": HParam(None, float, _number(0, optional=True))}),
     "seq_is": LossSpec(seq_is, {
         "eps_low": _EPS_LOW, "eps_high": _EPS_HIGH,
         "level": HParam("sequence", str, _choice(LEVELS)),

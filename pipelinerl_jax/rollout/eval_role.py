@@ -20,7 +20,7 @@ import threading
 from typing import Callable, Optional
 
 from pipelinerl_jax.metrics import EVAL_LOG
-from pipelinerl_jax.rollout.eval_versions import EvalInbox
+from pipelinerl_jax.rollout.eval_versions import EvalInbox, due
 
 log = logging.getLogger(__name__)
 
@@ -90,3 +90,47 @@ def run_evaluator(cfg, workdir: str, init_checkpoint: str,
         engine.close()
     return {"evaluator": "finished" if finished else "stopped", "evaluated": loop.evaluated,
             "workdir": os.path.abspath(workdir)}
+
+
+class InlineEvaluator:
+    """The evaluator role inside the learner's process (single-process runs,
+    `launch/inprocess.py`): the `EvalOutbox` interface the learner hands versions to, but each
+    due version is evaluated at once, by the role's engine and `Evaluator`, from the flat
+    params themselves (the role reads them back from the float32 HF directory the outbox
+    writes: the same values), and its record written to `eval.jsonl` as the role writes it."""
+
+    def __init__(self, cfg, workdir: str, init_checkpoint: str):
+        from pipelinerl_jax.envs import build_task
+        from pipelinerl_jax.metrics import MetricsWriter
+        from pipelinerl_jax.rollout.evaluator import Evaluator, eval_view
+        from pipelinerl_jax.rollout.factory import make_engine
+        from pipelinerl_jax.tokenizers import get_tokenizer
+        self.eval_every, self.total_steps = cfg.learner.eval_every, cfg.learner.total_steps
+        self.engine = make_engine(eval_view(cfg), init_checkpoint, 0, workdir)  # version -1
+        self.evaluator = Evaluator(cfg, self.engine, build_task(cfg),
+                                   get_tokenizer(cfg.tokenizer))
+        self.writer = MetricsWriter(workdir, EVAL_LOG, tb_suffix=".evaluator")
+        self.evaluated = []
+
+    def put(self, version: int, flat) -> bool:
+        """Evaluates `version` when it is due; returns whether it did."""
+        if not due(version, self.eval_every, self.total_steps):
+            return False
+        self._evaluate(version, flat)
+        return True
+
+    def finish(self, version: int, flat) -> None:
+        """The run ended at `version`: evaluated even when not due."""
+        if not self.evaluated or self.evaluated[-1] != version:
+            self._evaluate(version, flat)
+
+    def _evaluate(self, version: int, flat) -> None:
+        self.engine.update_weights(flat, version, allow_older=version <= self.engine.version)
+        metrics = self.evaluator.run(version)
+        self.writer.write(version, {"version": version, **metrics})
+        self.evaluated.append(version)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.evaluator.close()
+        self.engine.close()

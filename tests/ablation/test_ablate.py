@@ -101,7 +101,7 @@ def test_second_invocation_skips_finished_runs(grid_run):
          f"--workdir={workdir}", "--dry_run"], capture_output=True, text=True, cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "6 runs" in out.stdout
+    assert "16 runs" in out.stdout  # the quick grid: 2 losses x 2 lags x 4 seeds
 
 
 @pytest.mark.slow
@@ -241,8 +241,8 @@ def test_warmup_runs_a_short_copy_once_and_times_it(tmp_path, monkeypatch):
             json.dump({}, open(os.path.join(self.d, "summary.json"), "w"))
             return 0
 
-    def fake_run_child(d, env):
-        started.append((d, env))
+    def fake_run_child(d, env, mode="pipeline"):
+        started.append((d, env, mode))
         return FakeChild(d)
     monkeypatch.setattr(runner, "run_child", fake_run_child)
     e = _tiny_experiment()
@@ -252,7 +252,7 @@ def test_warmup_runs_a_short_copy_once_and_times_it(tmp_path, monkeypatch):
     cfg = json.load(open(os.path.join(d, "launch_config.json")))
     assert cfg["learner"]["total_steps"] == cfg["learner"]["eval_every"] == 5
     assert cfg["learner"]["checkpoint_every"] == 5 and cfg["seed"] == e.seed
-    assert started == [(d, {"PIPELINERL_JAX_CACHE": "/x"})]
+    assert started == [(d, {"PIPELINERL_JAX_CACHE": "/x"}, "pipeline")]
     assert runner.warmup(e, d, 5, {})["wall_s"] == 0 and len(started) == 1  # done: skipped
 
 

@@ -134,7 +134,7 @@ def test_instability_events(tmp_path):
         f.write("\n".join(json.dumps(r) for r in rows) + "\n")
     s = results.summarize_run(results.load_run(run), {"target_accuracy": 0.5})
     assert s["nonfinite_steps"] == 1 and s["kl_spike_steps"] == 1
-    assert s["collapse_step"] == 8 and s["unstable"]
+    assert s["collapse_step"] == 8 and s["collapsed"] and s["drift_flag"]
     assert s["steps_to_target"] == 12 and s["time_to_target_s"] == rows[12]["wall_time_s"]
     # A run whose metrics were appended after a resume: the last record of a step wins.
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:

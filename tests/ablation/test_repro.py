@@ -136,8 +136,8 @@ def test_m2po_forms_and_learning_rates_are_judged_apart(tmp_path):
     assert {r["arm"] for r in main_v["rows"]} == {"m2po", "m2po_released", "tis"}
     assert all(r["seeds"] == 3 for r in main_v["rows"])
     claims = main_v["claims"]
-    assert claims["m2po at lag 32: no significant drop vs lag 0, no unstable run"]
-    assert not claims["m2po_released at lag 32: no significant drop vs lag 0, no unstable run"]
+    assert claims["m2po at lag 32: no significant drop vs lag 0, no collapsed run"]
+    assert not claims["m2po_released at lag 32: no significant drop vs lag 0, no collapsed run"]
     assert "m2po_released - m2po at lag 32" in main_v["extra"]
     # low rate: tis does not drop there, so only the m2po claim holds
     assert low_v["verdict"] == "partly" and set(r["arm"] for r in low_v["rows"]) == {"m2po", "tis"}

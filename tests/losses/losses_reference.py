@@ -22,7 +22,7 @@ DEFAULTS = {
                        "alpha": 0.5, "lag_cutoff": None},
     "cispo": {"eps_low": None, "eps_high": 5.0},
     "gspo": {"eps_low": 3e-4, "eps_high": 4e-4},
-    "m2po": {"tau": 0.04, "form": "paper", "floor_low": 0.3, "floor_high": 0.5},
+    "m2po": {"tau": 0.04, "form": "paper", "floor_low": None, "floor_high": None},
 }
 
 
@@ -129,8 +129,11 @@ def terms(name, hp, logp, frozen, mu, old, adv, m, lag, has_proximal=True):
         d = frozen - mu
         harmful = t & (((adv > 0) & (d > 0)) | ((adv < 0) & (d < 0)))
         half = np.sqrt(_m2po_cap(d * d, harmful, hp["tau"]))
-        lo = min(np.exp(-half), 1 - hp["floor_low"])
-        hi = max(np.exp(half), 1 + hp["floor_high"])
+        lo, hi = np.exp(-half), np.exp(half)
+        if hp["floor_low"] is not None:
+            lo = min(lo, 1 - hp["floor_low"])
+        if hp["floor_high"] is not None:
+            hi = max(hi, 1 + hp["floor_high"])
         ell, dell = _ppo_token(np.exp(logp - mu), adv, lo, hi)
         return ell, dell, norm
     if name == "m2po":

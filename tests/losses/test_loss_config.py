@@ -78,7 +78,8 @@ def test_defaults_are_the_spec():
     assert (staleness["cap"], staleness["schedule"], staleness["alpha"],
             staleness["lag_cutoff"]) == (2.0, "inverse", 0.5, None)
     m2po = get_loss("m2po").hparams
-    assert (m2po["form"], m2po["floor_low"], m2po["floor_high"]) == ("paper", 0.3, 0.5)
+    # no floor, as the authors' training scripts run the released form
+    assert (m2po["form"], m2po["floor_low"], m2po["floor_high"]) == ("paper", None, None)
     icepop = get_loss("icepop").hparams
     assert (icepop["band_low"], icepop["band_high"]) == (0.5, 5.0)
 
@@ -116,8 +117,8 @@ def test_a_loss_needs_the_proximal_policy_exactly_when_it_weighs_both_old_polici
 
 def test_the_staleness_ablation_runs_every_registered_loss_with_its_defaults():
     """A loss added to the registry joins the grid as an arm of its own name with its
-    defaults (plus m2po's other form) unless the grid lists it as outside, so every arm
-    builds a distinct loss."""
+    defaults (plus m2po's released form, with and without its floor) unless the grid lists it
+    as outside, so every arm builds a distinct loss."""
     from configs.ablate import staleness
     c = staleness.get_config()
     arms = {label: c.axes.loss.levels[label].loss for label in c.axes.loss.order}
@@ -125,7 +126,10 @@ def test_the_staleness_ablation_runs_every_registered_loss_with_its_defaults():
     assert {"vcpo", "seq_is"} <= in_grid and not set(staleness.OUTSIDE_GRID) & set(arms)
     assert in_grid <= set(arms)
     assert all(arms[n].to_dict() == {"name": n} for n in in_grid)
-    assert arms["m2po_released"].to_dict() == {"name": "m2po", "form": "released"}
+    # m2po's released form twice: as the authors' scripts run it, and with the clip floor
+    assert arms["m2po_authors"].to_dict() == {"name": "m2po", "form": "released"}
+    assert arms["m2po_released"].to_dict() == {"name": "m2po", "form": "released",
+                                               "floor_low": 0.3, "floor_high": 0.5}
     built = [tuple(sorted(get_loss(**a.to_dict()).hparams.items())) + (a.name,)
              for a in arms.values()]
     assert len(set(built)) == len(built)

@@ -25,6 +25,7 @@ VARIANTS = [
     ("m2po", {"tau": 0.5}),
     ("m2po", {"form": "released"}),
     ("m2po", {"form": "released", "tau": 0.02, "floor_low": 0.0, "floor_high": 0.0}),
+    ("m2po", {"form": "released", "tau": 0.02, "floor_low": 0.3, "floor_high": 0.5}),
     ("m2po", {"form": "released", "tau": 50.0}),
 ]
 NO_PROXIMAL = ("ppo", "decoupled_ppo", "icepop", "staleness_clip", "cispo", "gspo")

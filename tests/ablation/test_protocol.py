@@ -1,0 +1,84 @@
+"""The protocol's statistics against hand-computed and published values, and its families on
+a synthetic grid (pipelinerl_jax/ablation/protocol.py)."""
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from pipelinerl_jax.ablation import protocol
+
+
+def test_holm_matches_a_hand_computed_example():
+    # sorted: 0.005 x4 = 0.02; 0.01 x3 = 0.03; 0.03 x2 = 0.06; 0.04 x1 = 0.04 -> max so far 0.06
+    got = protocol.holm([0.01, 0.04, 0.03, 0.005])
+    assert got == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    # capped at 1, monotone in the sorted order, nan neither counted nor adjusted
+    got = protocol.holm([0.5, float("nan"), 0.2])
+    assert got[0] == pytest.approx(0.5) and got[2] == pytest.approx(0.4)
+    assert math.isnan(got[1])
+    assert protocol.holm([0.9, 0.8]) == [1.0, 1.0]  # 2 x 0.8 capped; then max(1, 0.9)
+    assert protocol.holm([0.04, 0.3]) == pytest.approx([0.08, 0.3])
+
+
+def test_paired_p_is_scipys_paired_t_test():
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(0.5, 0.1, 12), rng.normal(0.45, 0.1, 12)
+    assert protocol.paired_p(a - b) == pytest.approx(sps.ttest_rel(a, b).pvalue, rel=1e-12)
+    assert math.isnan(protocol.paired_p([0.1]))
+
+
+def test_power_matches_the_published_value():
+    # Paired t-test, effect size dz = 0.5, two-sided alpha 0.05: 34 pairs give power 0.8078
+    # (G*Power 3.1; Cohen 1988's tables give n = 34 for 80%).
+    assert protocol.power(0.5, 1.0, 34) == pytest.approx(0.8078, abs=5e-4)
+    assert protocol.seeds_for_power(0.5, 1.0) == 34
+    # the MDE is the effect whose power is 80%, and scales with the SD
+    d = protocol.mde(0.07, 30)
+    assert protocol.power(d, 0.07, 30) == pytest.approx(0.8, abs=1e-6)
+    assert protocol.mde(0.14, 30) == pytest.approx(2 * d, rel=1e-6)
+    # a stricter level needs more seeds
+    assert protocol.seeds_for_power(0.05, 0.07, alpha=0.05 / 12) > \
+        protocol.seeds_for_power(0.05, 0.07)
+
+
+class _Run:
+    def __init__(self, acc, mb=1):
+        self.acc, self.mb = acc, mb
+
+    def get(self, key, default=None):
+        return self.mb if key == "learner.minibatches" else default
+
+
+def _grid(seeds=8):
+    rng = np.random.default_rng(0)
+    base = rng.normal(0.5, 0.03, seeds)  # the seed effect shared by every arm
+
+    def cell(shift, noise=0.01):
+        return {s: _Run(base[s] + shift + rng.normal(0, noise)) for s in range(seeds)}
+
+    def on_policy(sign):  # one update: the runs differ by rounding-sized, mean-zero noise
+        return {s: _Run(base[s] + sign * 0.002 * (-1) ** s) for s in range(seeds)}
+    return {"reinforce": {0: on_policy(1), 8: cell(-0.20)},
+            "ppo": {0: on_policy(-1), 8: cell(0.0)},
+            "tis": {0: on_policy(0), 8: cell(-0.10)},
+            "gspo": {0: cell(0.05), 8: cell(0.04)},
+            "decoupled_ppo (minibatches=4)": {0: {s: _Run(base[s], mb=4) for s in range(seeds)}}}
+
+
+def test_families_adjust_within_each_family_and_the_null_control_passes():
+    grid, fn = _grid(), (lambda r: r.acc)
+    null = protocol.null_control(grid, fn)
+    # gspo is a different update on-policy; a 4-minibatch arm is another setting
+    assert protocol.null_arms(grid) == ["ppo", "reinforce", "tis"]
+    assert len(null) == 3 and not any(r["significant"] for r in null)
+    cost = protocol.staleness_cost(grid, fn, ["reinforce", "ppo", "tis"], [8])
+    assert [r["a"] for r in cost] == ["reinforce", "ppo", "tis"]
+    assert [r["significant"] for r in cost] == [True, False, True]
+    for r in cost:  # Holm over the family's three tests
+        assert r["p"] <= r["p_holm"] <= min(1.0, 3 * r["p"]) + 1e-15
+        assert r["half"] > 0 and math.isfinite(r["mde"])
+    vs = protocol.versus_reference(grid, fn, ["reinforce", "ppo", "tis"], [8])
+    assert [r["a"] for r in vs] == ["reinforce", "tis"] and all(r["b"] == "ppo" for r in vs)
+    text = protocol.family_markdown(cost)
+    assert "p (Holm)" in text and "2 significant after Holm" in text
