@@ -245,7 +245,7 @@ class JaxEngine(InferenceEngine):
                 raise cfg_lib.ConfigError("engine.attention_kernel", str(e)) from None
         fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
                                     cfg.logprob_mode, cache_sharding, replicated,
-                                    self.page_size, self.attention_impl)
+                                    self.page_size, self.attention_impl, self.lora)
         initial = self._materialise(model)
         if pool:
             cache = init_paged_cache(self.model_config, *pool)
