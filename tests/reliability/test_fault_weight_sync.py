@@ -18,7 +18,7 @@ from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from pipelinerl_jax.transport import weights
 from pipelinerl_jax.transport.queue_client import RetryPolicy
-from tests.transport.flat_weights import FlatSubscriber as WeightSubscriber
+from pipelinerl_jax.transport.weights import WeightSubscriber
 from pipelinerl_jax.types import GenerationRequest, SamplingParams
 from tests.reliability.reliability_testlib import tiny_config, weights_publisher_main
 
