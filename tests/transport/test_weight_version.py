@@ -9,7 +9,6 @@ import pytest
 
 from pipelinerl_jax.models import LoRASpec
 from pipelinerl_jax.transport import rollout_pb2 as pb
-from pipelinerl_jax.transport import weights
 from pipelinerl_jax.transport.security import RetryPolicy
 from pipelinerl_jax.transport.weight_version import (WeightVersion, WeightVersionRefused,
                                                      check_receivable)
