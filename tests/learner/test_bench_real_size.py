@@ -125,13 +125,15 @@ def test_decode_attention_bench_smoke():
 
 def test_weight_sync_live_bench_smoke():
     """scripts/bench_weight_sync.py --live --small: publish -> live in a JaxEngine, full and
-    LoRA, each full copy measured; on CPU a full version of a matching dtype takes three
-    (frames once, the subscriber's buffer, the transfer to the engine's device)."""
+    LoRA, each full copy measured; on CPU a full version of a matching dtype takes at most
+    three (frames once, the subscriber's buffer, the transfer to the engine's device, which
+    jax may skip by aliasing the buffer)."""
     out = _weight_sync_bench("--live", "--small", "--versions=2")
-    assert out["full_copies"] == {"snapshot": 0, "device_to_host": 0, "frame_assembly": 1.0,
-                                  "subscriber_buffer": 1, "host_cast": 0.0,
-                                  "host_to_device": 1}, out["full_copies"]
-    assert out["full_host_copies"] == 3.0
+    copies = dict(out["full_copies"])
+    assert copies.pop("host_to_device") in (0, 1)  # jax may alias an aligned host array
+    assert copies == {"snapshot": 0, "device_to_host": 0, "frame_assembly": 1.0,
+                      "subscriber_buffer": 1, "host_cast": 0.0}, out["full_copies"]
+    assert out["full_host_copies"] <= 3.0
     assert out["lora_bytes"] < out["full_bytes"] / 4
     assert out["lora_to_full_publish_to_live_ratio"] == pytest.approx(
         out["lora_publish_to_live_s"] / out["full_publish_to_live_s"], abs=1e-3)
