@@ -4,14 +4,16 @@ projection and publishes only them; the SGLang servers load each version's adapt
 
 Sampler host: the four rollout servers take adapters (the flags after `--` go to SGLang;
 `--max-lora-rank` and `--lora-target-modules` must cover `lora.rank` and `lora.targets`, which
-the engine checks at start-up); the evaluation server receives merged weights as before:
+the engine checks at start-up); the evaluation server receives the adapters too (the run's
+one weight message, docs/transport.md), so it is launched for them as well:
 
     python scripts/launch_sglang.py --model-path /data/models/Qwen2.5-0.5B-Instruct \
         --num-servers 4 --gpus 0,1,2,3 --base-port 30000 --weight-version 0 -- \
         --enable-lora --max-lora-rank 16 --lora-target-modules all \
         --max-loras-per-batch 4 --max-loaded-loras 8
     python scripts/launch_sglang.py --model-path /data/models/Qwen2.5-0.5B-Instruct \
-        --num-servers 1 --gpus 4 --base-port 30004 --nccl-base-port 31004 --weight-version 0
+        --num-servers 1 --gpus 4 --base-port 30004 --nccl-base-port 31004 --weight-version 0 -- \
+        --enable-lora --max-lora-rank 16 --lora-target-modules all
 
 Learner host: as configs/qwen2_gsm8k_sglang.py, with this file:
 

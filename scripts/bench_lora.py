@@ -47,6 +47,7 @@ from pipelinerl_jax.models import (Decoder, config_qwen2_5_0_5b, flat_params,  #
                                    tiny_config)
 from pipelinerl_jax.models.lora import LoRASpec, add_lora  # noqa: E402
 from pipelinerl_jax.run_config import base_config  # noqa: E402
+from pipelinerl_jax.transport.weight_version import WeightVersion  # noqa: E402
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber  # noqa: E402
 from scripts.bench_real_size import synthetic_rollouts  # noqa: E402
 
@@ -89,8 +90,8 @@ def time_publication(params, repeats: int) -> dict:
     """Learner device arrays -> a subscriber's callback over the real weight stream."""
     got, done = {}, threading.Event()
 
-    def on_weights(version, flat, policy_version):
-        got["n"] = sum(a.nbytes for a in flat.values())
+    def on_weights(message):
+        got["n"] = message.payload_bytes()
         done.set()
 
     pub = WeightPublisher()
@@ -101,7 +102,7 @@ def time_publication(params, repeats: int) -> dict:
             done.clear()
             t = time.perf_counter()
             flat = flat_params(params)  # device -> host, flattened (the learner's shipper)
-            pub.publish(v, flat)
+            pub.publish(WeightVersion("full").carrying(v, tensors=flat))
             if not done.wait(600):
                 raise TimeoutError(f"version {v} never reached the subscriber")
             if v:

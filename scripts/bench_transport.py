@@ -28,7 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipelinerl_jax import types  # noqa: E402
 from pipelinerl_jax.transport.queue_client import RolloutQueueClient  # noqa: E402
+from pipelinerl_jax.transport.weight_version import WeightVersion  # noqa: E402
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber  # noqa: E402
+
+FULL = WeightVersion("full")
 
 CTX = mp.get_context("spawn")
 PROMPT_TOKENS = 128
@@ -227,7 +230,7 @@ def _publisher(model: str, chunk_bytes: int, checksum: bool, conn) -> None:
         if version is None:
             break
         t = time.monotonic()
-        pub.publish(version, params)  # same arrays, new version: what differs is the id
+        pub.publish(FULL.carrying(version, tensors=params))  # same arrays, new version
         conn.send(t)
     pub.stop()
 
@@ -240,7 +243,7 @@ def weight_sync(model: str, versions: int, chunk_bytes: int, checksum: bool = Tr
     proc.start()
     address, nbytes, nparams = parent.recv()
     applied = {}
-    sub = WeightSubscriber(address, lambda v, p, pv: applied.__setitem__(v, time.monotonic()),
+    sub = WeightSubscriber(address, lambda m: applied.__setitem__(m.version, time.monotonic()),
                            max_message_bytes=chunk_bytes + (1 << 20))
     times = []
     for v in range(versions):

@@ -1,7 +1,9 @@
-"""Weight publication's cost to the learner: blocking (before) vs overlapped (after).
+"""Weight publication's cost: to the learner (blocking vs overlapped), and from `publish` to
+live in a JaxEngine (full vs LoRA, with the host copies a full version takes).
 
     python scripts/bench_weight_sync.py [--steps 6] [--batch 4] [--seq 128] [--small]
                                         [--model 100m|qwen2.5-0.5b]
+    python scripts/bench_weight_sync.py --live [--model qwen2.5-0.5b] [--versions 3]
 
 A ~100M-parameter Llama (`config_100m`) trains with a jitted, donating step (forward +
 backward + SGD); after every step its params are published as the learner does, through a
@@ -9,16 +11,30 @@ real `StreamSink` (gRPC weight publisher on loopback). 'blocking' is the learner
 change (`host_params`, flatten, ship, then the next step); 'overlapped' is
 `learner.publication.Publication` (snapshot on device, fetch and ship on a background thread).
 Reports, per mode, the median step time, the learner's time blocked on publication and that
-as a fraction of the step time. Prints one JSON line.
+as a fraction of the step time.
+
+`--live`: a bfloat16 model of the chosen shape; each version goes from fresh host arrays
+through a real `WeightPublisher` / `WeightSubscriber` (loopback gRPC) into a `JaxEngine`
+(bfloat16, the dtype the learner publishes: no cast) until the engine serves it:
+'full' (every weight) and 'lora' (rank 16, alpha 32, every projection: only the adapters,
+served unmerged). `full_host_copies` counts the full-size copies a full version takes from
+the learner's device to the engine's, each measured: the on-device snapshot and the
+device-to-host fetch (pointer comparison: on CPU the fetch is a view), frame assembly (bytes
+the publisher assembled / payload, whatever the number of subscribers), the subscriber's
+buffer, a host cast (bytes whose dtype differs from the engine's) and the host-to-device
+transfer (pointer comparison). Prints one JSON line.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pipelinerl_jax import sharding
@@ -26,8 +42,11 @@ from pipelinerl_jax.learner import multihost
 from pipelinerl_jax.models import flat_params
 from pipelinerl_jax.learner.publication import Publication
 from pipelinerl_jax.models import config_100m, config_qwen2_5_0_5b, tiny_config, token_logprobs
+from pipelinerl_jax.models.lora import LoRASpec, adapter_params
+from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.transport.weight_sink import StreamSink
-from pipelinerl_jax.transport.weights import WeightPublisher
+from pipelinerl_jax.transport.weight_version import WeightVersion
+from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
 
 
 MODELS = {"100m": config_100m, "qwen2.5-0.5b": config_qwen2_5_0_5b}
@@ -79,6 +98,87 @@ def run(mode: str, cfg, steps: int, batch: int, seq: int) -> dict:
             "sync_fraction": round(med(sync_s) / med(step_s), 4)}
 
 
+def _pointer(a) -> int:
+    return a.unsafe_buffer_pointer() if isinstance(a, jax.Array) else a.ctypes.data
+
+
+def learner_side_copies(cfg) -> dict:
+    """The learner's side of a full version (`Publication.submit` + its thread): the on-device
+    snapshot, then the device-to-host fetch; 1 where a copy was made."""
+    params = nnx.state(sharding.create_model(cfg), nnx.Param)
+    leaf = jax.tree.leaves(params)[0]
+    snap = multihost.snapshot_params(params)
+    snap_leaf = jax.tree.leaves(snap)[0]
+    host_leaf = jax.tree.leaves(jax.device_get(snap))[0]
+    return {"snapshot": int(_pointer(snap_leaf) != _pointer(leaf)),
+            "device_to_host": int(_pointer(host_leaf) != _pointer(snap_leaf))}
+
+
+def publish_to_live(cfg, lora, versions: int) -> dict:
+    """Median seconds from `publish` to the engine serving the version; full-copy counts."""
+    learner = sharding.create_model(cfg, lora=lora)
+    flat = flat_params(learner)
+    payload = adapter_params(flat) if lora is not None else flat
+    base_sha = hashlib.sha256(b"bench base").hexdigest()  # what describe_run would hash
+    describes = WeightVersion("full") if lora is None else WeightVersion("lora", base_sha, lora)
+    del learner, flat
+    engine = JaxEngine(sharding.create_model(cfg), dict(max_slots=1, max_seq_len=64,
+                                                        dtype="bfloat16"),
+                       version=0, serves=describes)
+    pub = WeightPublisher("127.0.0.1:0")
+    received = {}
+
+    def on_weights(message):
+        received["tensors"] = message.tensors
+        engine.update_weights(message, message.version)
+
+    sub = WeightSubscriber(pub.address, on_weights, expected_shapes=engine.weight_shapes(),
+                           accepts=engine.serves)
+    times, nbytes = [], sum(a.nbytes for a in payload.values())
+    try:
+        for v in range(1, versions + 1):
+            fresh = {k: np.array(a) for k, a in payload.items()}  # the learner's fetch
+            t = time.perf_counter()
+            pub.publish(describes.carrying(v, tensors=fresh))
+            if not sub.wait_for_version(v, 1800):
+                raise TimeoutError(f"version {v} never went live: {sub.last_error}")
+            assert engine.version == v
+            times.append(time.perf_counter() - t)
+        live = flat_params(engine.params, host=False)
+        name = max(received["tensors"], key=lambda k: received["tensors"][k].nbytes)
+        copies = {
+            "frame_assembly": pub.latest_assembled_bytes / nbytes,
+            "subscriber_buffer": 1,  # every chunk lands in the version buffer once
+            "host_cast": sum(a.nbytes for a in received["tensors"].values()
+                             if a.dtype != np.dtype(engine.dtype)) / nbytes,
+            "host_to_device": int(_pointer(live[name]) != _pointer(received["tensors"][name])),
+        }
+    finally:
+        sub.close()
+        pub.stop()
+        engine.close()
+    return {"publish_to_live_s": round(statistics.median(times), 4),
+            "publish_to_live_times_s": [round(x, 4) for x in times],
+            "payload_bytes": nbytes, "copies": copies}
+
+
+def live(a) -> dict:
+    cfg = (tiny_config if a.small else MODELS[a.model])(dtype=jnp.bfloat16,
+                                                        param_dtype=jnp.bfloat16)
+    full = publish_to_live(cfg, None, a.versions)
+    lora = publish_to_live(cfg, LoRASpec(16, 32.0), a.versions)
+    copies = {**learner_side_copies(cfg), **full["copies"]}
+    return {"params_m": round(cfg.num_params / 1e6, 2), "devices": jax.devices()[0].platform,
+            "full_host_copies": round(sum(copies.values()), 3), "full_copies": copies,
+            "full_publish_to_live_s": full["publish_to_live_s"],
+            "lora_publish_to_live_s": lora["publish_to_live_s"],
+            "lora_to_full_publish_to_live_ratio": round(
+                lora["publish_to_live_s"] / full["publish_to_live_s"], 4),
+            "full_bytes": full["payload_bytes"], "lora_bytes": lora["payload_bytes"],
+            "full_times_s": full["publish_to_live_times_s"],
+            "lora_times_s": lora["publish_to_live_times_s"]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
@@ -87,7 +187,13 @@ def main():
     p.add_argument("--small", action="store_true", help="the tiny model (a smoke run)")
     p.add_argument("--model", default="100m", choices=sorted(MODELS),
                    help="100m (config_100m) or qwen2.5-0.5b (its config's dimensions)")
+    p.add_argument("--live", action="store_true",
+                   help="publish -> live in a JaxEngine, full vs LoRA rank 16")
+    p.add_argument("--versions", type=int, default=3, help="--live: versions per arm")
     a = p.parse_args()
+    if a.live:
+        print(json.dumps(live(a)))
+        return
     cfg = tiny_config() if a.small else MODELS[a.model]()
     out = {"params_m": round(cfg.num_params / 1e6, 2), "batch": a.batch, "seq": a.seq,
            "devices": str(jax.devices()[0].platform)}

@@ -136,19 +136,17 @@ def _run_role(role: str, workdir: str, index: int, cfg, init_ckpt: Optional[str]
 
 def eval_outbox(cfg, workdir: str, init_ckpt: str):
     """The learner's hand-over to the evaluator role (None when `learner.eval_every` is 0):
-    versions due are saved as HF directories shaped like `init_ckpt`, in the learner's
-    dtypes."""
+    versions due are saved as the run publishes them (`describe_run`: HF directories shaped
+    like `init_ckpt` in the learner's dtypes, or under LoRA the adapters' PEFT directories)."""
     if cfg.learner.eval_every <= 0:
         return None
     from pipelinerl_jax.rollout.eval_versions import EvalOutbox, eval_root
     from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
-    save = hf_checkpoint_writer(init_ckpt, cfg.model.dtype, cfg.model.param_dtype)
-    from pipelinerl_jax.models.lora import lora_spec, merged_writer
-    if lora_spec(cfg) is not None:  # the learner hands over adapters: merge them first
-        save = merged_writer(save, init_ckpt, lora_spec(cfg), cfg.model.dtype,
-                             cfg.model.param_dtype)
+    from pipelinerl_jax.transport.weight_version import describe_run
+    describes = describe_run(cfg, init_ckpt)
+    save = hf_checkpoint_writer(init_ckpt, cfg.model.dtype, cfg.model.param_dtype, describes)
     return EvalOutbox(eval_root(workdir), save, cfg.learner.eval_every,
-                      cfg.learner.total_steps)
+                      cfg.learner.total_steps, describes)
 
 
 def evaluated_sft(cfg, workdir: str, progress: bool = True) -> dict:
@@ -191,7 +189,7 @@ def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.E
     client.wait_ready(60.0)
     worker = RolloutWorker(cfg, engine, task, tok, client, worker_index=index, workdir=workdir)
     sub = WeightSubscriber(weights_address(cfg.transport), worker.on_weights,
-                           expected_shapes=engine.weight_shapes(),
+                           expected_shapes=engine.weight_shapes(), accepts=engine.serves,
                            **subscriber_kwargs(cfg.transport))
     threading.Thread(target=lambda: (stop.wait(), worker.stop()), daemon=True).start()
     try:

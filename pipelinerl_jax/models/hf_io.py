@@ -25,7 +25,8 @@ from flax import nnx
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models.config import CheckpointError, ModelConfig, dtype_of
 from pipelinerl_jax.models.model import Decoder
-from pipelinerl_jax.models.params import decoder_from_flat
+from pipelinerl_jax.models.params import (decoder_from_flat, flat_params, param_shapes,
+                                          state_from_flat)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -210,8 +211,8 @@ def from_pretrained(path: str, dtype: Any = "float32", param_dtype: Any = None,
     abstract = nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
     shardings = sharding_lib.state_shardings(abs_state, mesh, rules)
-    flat_shardings = dict(_flat_vars(shardings))
-    flat_shapes = {name: tuple(var.get_value().shape) for name, var in _flat_vars(abs_state)}
+    flat_shardings = flat_params(shardings, host=False)
+    flat_shapes = param_shapes(abs_state)
 
     loaded: Dict[str, jax.Array] = {}
     for fn in _weight_files(path):
@@ -228,31 +229,21 @@ def from_pretrained(path: str, dtype: Any = "float32", param_dtype: Any = None,
                 raise CheckpointError(
                     f"{fn}: tensor {hf_name!r} has shape {tuple(arr.shape)}, which does not fit "
                     f"config.json (expected our {ours!r} to be {flat_shapes[ours]})")
-            loaded[ours] = jax.device_put(value.astype(cfg.param_dtype),
-                                          flat_shardings[ours].get_value())
+            # placed as it is read (the host holds one tensor at a time)
+            loaded[ours] = jax.device_put(value.astype(cfg.param_dtype, copy=False),
+                                          flat_shardings[ours])
     missing = [hf for hf, (ours, _, _) in name_map.items() if ours not in loaded]
     if missing:
         raise CheckpointError(f"{path}: checkpoint is missing tensors {missing[:5]}"
                               f"{' ...' if len(missing) > 5 else ''}")
-
-    def fill(p, var):
-        return var.replace(loaded[sharding_lib.path_name(p)])
-
-    state = jax.tree_util.tree_map_with_path(fill, abs_state,
-                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.merge(graphdef, state)
-
-
-def _flat_vars(state) -> Iterator[Tuple[str, Any]]:
-    for p, var in jax.tree_util.tree_flatten_with_path(
-            state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        yield sharding_lib.path_name(p), var
+    # the one flat -> state route (`params.state_from_flat`), the arrays kept where they are
+    return nnx.merge(graphdef, state_from_flat(abs_state, loaded, keep=set(loaded)))
 
 
 def hf_state_dict(model_or_state, cfg: ModelConfig, dtype: Any = None) -> Dict[str, np.ndarray]:
     """HF-named host arrays of a model or of its `nnx.State` (the weight-sync payload)."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-    ours = {name: var.get_value() for name, var in _flat_vars(state)}
+    ours = flat_params(state, host=False)
     out = {}
     for hf_name, (our_name, _, to_hf) in hf_name_map(cfg).items():
         arr = np.asarray(jax.device_get(ours[our_name]))

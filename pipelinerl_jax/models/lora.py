@@ -240,24 +240,6 @@ def merged_params(model, spec: LoRASpec, host: bool = True) -> Dict[str, object]
     return merged
 
 
-def merged_writer(save, base_checkpoint: str, spec: LoRASpec, dtype="float32",
-                  param_dtype=None):
-    """`save(flat, directory)` for adapter-only flat dicts: each is merged (float32) into the
-    base of `base_checkpoint` (loaded to host once, on first use, in these dtypes) and the
-    merged weights go to `save` (e.g. `transport.weight_sink.hf_checkpoint_writer`)."""
-    from pipelinerl_jax.models.hf_io import from_pretrained  # late: heavy
-    cache = {}
-
-    def write(flat, directory):
-        if "base" not in cache:
-            cache["base"] = flat_params(from_pretrained(base_checkpoint, dtype=dtype,
-                                                        param_dtype=param_dtype))
-        merged = merge_lora(cache["base"], flat, spec.scale)
-        save({k: np.asarray(v) for k, v in jax.device_get(merged).items()}, directory)
-
-    return write
-
-
 def base_identity(checkpoint: str) -> Dict[str, str]:
     """`{"path", "sha256"}` of an HF checkpoint directory (its config and every safetensors
     file, in name order): what a LoRA checkpoint records of the base its adapters belong to."""

@@ -57,7 +57,7 @@ def param_shapes(like_state) -> Dict[str, tuple]:
 
 
 def state_from_flat(like_state: nnx.State, flat: Mapping[str, object],
-                    shardings: Optional[nnx.State] = None) -> nnx.State:
+                    shardings: Optional[nnx.State] = None, keep=frozenset()) -> nnx.State:
     """A state shaped like `like_state` (abstract, e.g. from `nnx.eval_shape`, or holding
     arrays) holding `flat`'s values, cast to `like_state`'s dtypes.
 
@@ -66,7 +66,9 @@ def state_from_flat(like_state: nnx.State, flat: Mapping[str, object],
     Placement: onto `shardings` (a tree like `like_state` whose Variables hold shardings)
     when given; else where `like_state`'s arrays are; else (an abstract `like_state`) host
     NumPy arrays, nothing on a device. The result never aliases `flat`'s buffers (a learner
-    may donate them right after handing them over)."""
+    may donate them right after handing them over), except the names in `keep`: device
+    arrays already in their dtype and place, taken as they are (a LoRA engine's base).
+    A host array already in the right dtype is copied once, by the transfer (no cast)."""
     if not isinstance(flat, Mapping):
         raise TypeError(f"weights must be a flat {{name: array}} mapping, got "
                         f"{type(flat).__name__}")
@@ -93,7 +95,10 @@ def state_from_flat(like_state: nnx.State, flat: Mapping[str, object],
                                   f"model holds {like.dtype}")
         if place is None and isinstance(like, jax.Array):
             place = like.sharding
-        if place is None:
+        if name in keep:  # taken as it is: already in its dtype and place
+            values.append(value)
+            place = None
+        elif place is None:
             values.append(np.array(value, dtype=like.dtype))  # a host copy
         elif isinstance(value, jax.Array):  # (a cast stays in the sender's layout)
             values.append(value if value.dtype == like.dtype else value.astype(like.dtype))

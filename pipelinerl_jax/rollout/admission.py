@@ -89,7 +89,7 @@ class AdmissionPolicy(Protocol):
 
     def release(self, batch: int) -> None: ...  # a finished group will not fill its place
 
-    def on_weights(self, version: int, params, policy_version: Optional[int]) -> None: ...
+    def on_weights(self, message) -> None: ...  # a WeightVersion arrived
 
     def allowed_lag(self) -> int: ...
 
@@ -263,18 +263,19 @@ class PipelineAdmission:
     def release(self, batch: int) -> None:
         self.places.release(batch)
 
-    def on_weights(self, version: int, params, policy_version: Optional[int] = None) -> None:
+    def on_weights(self, message) -> None:
         """Installs a newer version while sampling; an older one only comes from a learner
         restarted from an older checkpoint: sample with it, or every token would be "from
         the future"."""
+        version = message.version
         if version > self.engine.version:
-            self.engine.update_weights(params, version, wait=False)
+            self.engine.update_weights(message, version, wait=False)
         elif version < self.engine.version:
             log.warning("learner rolled back to version %d (engine at %d): installing it",
                         version, self.engine.version)
             self.rollout_log.event("weights_rollback", version=int(version),
                                    engine_version=int(self.engine.version))
-            self.engine.update_weights(params, version, wait=False, allow_older=True)
+            self.engine.update_weights(message, version, wait=False, allow_older=True)
 
 
 class InjectedLagAdmission:
@@ -314,8 +315,8 @@ class InjectedLagAdmission:
                 pending = self._pending
             if pending is None or pending[0] != step:
                 return False  # the weights for this step have not arrived yet
-            _, policy_version, params = pending
-            self.engine.update_weights(params, policy_version, allow_older=True)
+            _, policy_version, message = pending
+            self.engine.update_weights(message, policy_version, allow_older=True)
             self._step, self._step_seq = step, 0
             self.places.restart_at(step)
             # each step's prompts come from a stream of their own, so that a restarted run
@@ -338,11 +339,9 @@ class InjectedLagAdmission:
     def release(self, batch: int) -> None:
         self.places.release(batch)
 
-    def on_weights(self, version: int, params, policy_version: Optional[int] = None) -> None:
-        """Keeps stream version `version` (policy version `policy_version`) until the step it
-        is for starts (`can_admit`)."""
-        policy_version = version if policy_version is None else int(policy_version)
-        if not isinstance(params, str):  # the subscriber reuses its buffers: keep a
-            params = {k: np.array(v) for k, v in params.items()}  # copy until installed
+    def on_weights(self, message) -> None:
+        """Keeps stream version `message.version` (policy version `message.policy`) until
+        the step it is for starts (`can_admit`). The subscriber recycles a buffer only once
+        no view of it is alive, so keeping the message's arrays keeps them intact."""
         with self._lock:
-            self._pending = (version, policy_version, params)
+            self._pending = (message.version, message.policy, message)

@@ -103,15 +103,22 @@ def free_bytes(devices: Sequence) -> Optional[int]:
 def check_fits(model_cfg, max_slots: int, max_seq_len: int, dtype, devices: Sequence,
                prefix: str = "engine", available: Optional[int] = None,
                pages: Optional[tuple] = None, pool_key: str = "kv_budget_tokens",
-               layout: Optional[tuple] = None) -> dict:
+               layout: Optional[tuple] = None, weights: Optional[int] = None,
+               staged: int = 0) -> dict:
     """Raises `ConfigError` when the dense KV cache (or, with `pages=(num_pages, page_size)`,
-    the page pool, sized by key `pool_key`) plus the weights would not fit in `(1 - HEADROOM)` of the devices' free
-    memory (`available` overrides the measurement); returns the figures otherwise."""
+    the page pool, sized by key `pool_key`) plus the weights would not fit in
+    `(1 - HEADROOM)` of the devices' free memory (`available` overrides the measurement);
+    returns the figures otherwise. The weights are everything the engine holds: `weights`
+    bytes live (default: the model's in `dtype`; a LoRA engine adds its adapters) plus
+    `staged`, the next version's while it waits for a step boundary (a full version's
+    weights, or only the adapters)."""
     kv = (kv_cache_bytes(model_cfg, max_slots, max_seq_len, dtype) if pages is None
           else paged_cache_bytes(model_cfg, *pages, dtype, layout))
-    weights = weight_bytes(model_cfg, dtype)
+    live = weight_bytes(model_cfg, dtype) if weights is None else int(weights)
+    weights = live + int(staged)
     free = free_bytes(devices) if available is None else available
-    out = {"kv_cache_bytes": kv, "weight_bytes": weights, "free_bytes": free}
+    out = {"kv_cache_bytes": kv, "weight_bytes": weights, "live_weight_bytes": live,
+           "staged_weight_bytes": int(staged), "free_bytes": free}
     if free is None or kv + weights <= (1 - HEADROOM) * free:
         return out
     if pages is not None:

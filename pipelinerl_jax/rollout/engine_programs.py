@@ -39,6 +39,7 @@ from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import Decoder
 from pipelinerl_jax.models import paged_kernels
+from pipelinerl_jax.models.lora import add_lora
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models.paged_attention import (LANES, init_paged_cache, padded_head_dim,
                                                    stored_kv_heads)
@@ -142,16 +143,21 @@ def paged_layout(model_cfg, cfg, mesh: Mesh, block_sizes: tuple = ()) -> tuple:
 
 
 def engine_programs(model_cfg, cfg, mesh: Mesh, *, num_pages: Optional[int] = None,
-                    block_sizes: tuple = ()) -> EnginePrograms:
+                    block_sizes: tuple = (), lora=None) -> EnginePrograms:
     """The programs of an engine of model `model_cfg` with `engine` section `cfg` (defaults
     filled, validated) on `mesh`. Paged: a pool of `num_pages` pages (default:
     `kv_budget_tokens`, else `max_slots * max_seq_len` tokens, in whole pages).
     `block_sizes`: the TPU kernel's `(("num_kv_pages_per_block", n),
-    ("num_queries_per_block", m))` (ahead-of-time compiles; serving leaves its tuned table)."""
+    ("num_queries_per_block", m))` (ahead-of-time compiles; serving leaves its tuned table).
+    `lora` (a `LoRASpec`): the model carries adapters, applied unmerged in every forward."""
     dtype = dtype_of(cfg.dtype)
     model_cfg = model_cfg.replace(dtype=dtype, param_dtype=dtype)
     rules = engine_rules(model_cfg, mesh)
-    abstract = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))[1]
+
+    def build():
+        m = Decoder(model_cfg, nnx.Rngs(0))
+        return m if lora is None else add_lora(m, lora, nnx.Rngs(0))
+    abstract = nnx.split(nnx.eval_shape(build))[1]
     try:
         param_shardings = sharding_lib.state_shardings(abstract, mesh, rules)
     except sharding_lib.ShardingError as e:
@@ -176,7 +182,7 @@ def engine_programs(model_cfg, cfg, mesh: Mesh, *, num_pages: Optional[int] = No
     cache_sharding = NamedSharding(mesh, spec)
     fns = engine_steps.step_fns(model_cfg, cfg.max_seq_len, cfg.steps_per_sync,
                                 cfg.logprob_mode, cache_sharding, replicated,
-                                cfg.page_size if paged else 0, kernel)
+                                cfg.page_size if paged else 0, kernel, lora)
 
     def placed(tree, sharding):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

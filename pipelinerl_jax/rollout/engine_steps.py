@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pipelinerl_jax.models import Decoder, KVCache, init_cache
+from pipelinerl_jax.models.lora import add_lora
 from pipelinerl_jax.models.config import ModelConfig
 from pipelinerl_jax.models.paged_attention import write_pages
 from pipelinerl_jax.rollout.decode_step import decode_logits, write_rows
@@ -107,12 +108,17 @@ class StepFns(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode: str,
              cache_sharding, replicated, page_size: int = 0,
-             attention_kernel: str = "reference") -> StepFns:
+             attention_kernel: str = "reference", lora=None) -> StepFns:
     """Jitted programs for one engine shape (cached for the process's lifetime: engines of
     one shape share executables); `page_size > 0`: over a paged cache, decode attention
     through `attention_kernel` (a resolved `engine.attention_kernel`,
-    `models/paged_kernels.py`)."""
-    graphdef = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, nnx.Rngs(0))))[0]
+    `models/paged_kernels.py`); `lora` (a `LoRASpec`): the model carries adapters, applied
+    unmerged in every forward (`models.model.lora_delta`)."""
+    def build():
+        model = Decoder(model_cfg, nnx.Rngs(0))
+        return model if lora is None else add_lora(model, lora, nnx.Rngs(0))
+
+    graphdef = nnx.split(nnx.eval_shape(build))[0]
     # where inactive slots write: past the end of the dense cache / of every page table
     nowhere = -(-max_seq_len // page_size) * page_size if page_size else max_seq_len
 

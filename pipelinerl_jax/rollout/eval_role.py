@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from pipelinerl_jax.metrics import EVAL_LOG
 from pipelinerl_jax.rollout.eval_versions import EvalInbox, due
+from pipelinerl_jax.transport.weight_sink import read_weight_version
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,13 @@ class EvalLoop:
 
 
 def engine_evaluate(engine, evaluator) -> Callable[[str, int], dict]:
-    """`evaluate(path, version)` over an engine and an `Evaluator` of it. A version at or
+    """`evaluate(path, version)` over an engine and an `Evaluator` of it: the directory's
+    message (`weight_sink.read_weight_version`), installed by its kind. A version at or
     below the engine's (a learner restarted from an older checkpoint trains it again) is
     installed as given."""
     def evaluate(path: str, version: int) -> dict:
-        engine.update_weights(path, version, allow_older=version <= engine.version)
+        message = read_weight_version(path, engine.serves)
+        engine.update_weights(message, version, allow_older=version <= engine.version)
         return evaluator.run(version)
     return evaluate
 

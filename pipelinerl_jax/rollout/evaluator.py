@@ -30,16 +30,14 @@ def eval_slots(cfg) -> int:
 def eval_view(cfg):
     """The run config as the evaluation engine sees it: an engine of the run's backend
     (`sampler.kind`) sized for the eval set, with no KV reservation for long rollouts; for
-    'sglang' the servers of `sglang.eval_urls`, as one worker's, refit with full (for LoRA:
-    merged) weights."""
+    'sglang' the servers of `sglang.eval_urls`, as one worker's. It serves what the run
+    publishes (LoRA: adapters on the base)."""
     view = ml_collections.ConfigDict(cfg.to_dict())
     view.engine.max_slots = eval_slots(cfg)
     view.engine.kv_budget_tokens = 0
     view.rollout.num_workers = 1
     if cfg.sampler.kind == "sglang":
         view.sglang.urls, view.sglang.eval_urls = tuple(cfg.sglang.eval_urls), ()
-        if "lora" in view:  # it receives merged HF directories (launch.roles.eval_outbox)
-            view.lora.enabled = False
     return view
 
 

@@ -43,10 +43,9 @@ from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import (Decoder, flat_params, from_pretrained, param_shapes,
                                    state_from_flat)
 from pipelinerl_jax.models.config import dtype_of
-from pipelinerl_jax.models import lora as lora_lib
-from pipelinerl_jax.models.lora import LoRASpec, adapter_shapes, merge_lora
 from pipelinerl_jax.models import paged_kernels
 from pipelinerl_jax.models.params import WeightsMismatch
+from pipelinerl_jax.models.peft_io import read_peft_dir
 from pipelinerl_jax.rollout import engine_memory, engine_programs, engine_steps
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
@@ -54,6 +53,8 @@ from pipelinerl_jax.rollout.jax_scheduler import SlotScheduler, buckets
 from pipelinerl_jax.rollout.kv_memory import DenseKV, PagedKV
 from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES
+from pipelinerl_jax.transport.weight_version import (WeightVersion, WeightVersionRefused,
+                                                     check_receivable, describe_run)
 from pipelinerl_jax.types import Completion, GenerationRequest
 
 KV_POLICIES = ("keep", "recompute")
@@ -168,7 +169,9 @@ class JaxEngine(InferenceEngine):
     `model` is a `Decoder` (its weights are copied) or an HF checkpoint directory; `config`
     overrides `engine_config()` (a dict or ConfigDict); `version` is the version of the
     initial weights; `mesh` places the parameters by the logical-axis rules (default: one
-    device). Without `start()` the caller drives the engine with `step()` (deterministic
+    device). `serves`: the `WeightVersion` description of the versions it installs ('full',
+    or 'lora': `model` is then the frozen base, held once, and a version swaps only the
+    adapters, applied unmerged in the forward; docs/lora.md). Without `start()` the caller drives the engine with `step()` (deterministic
     tests); with `start()` (or `start=True`) a background thread does, and every public
     method is thread-safe.
 
@@ -179,7 +182,7 @@ class JaxEngine(InferenceEngine):
 
     def __init__(self, model: Any, config: Optional[Mapping] = None, *, version: int = 0,
                  engine_id: str = "jax-engine", mesh=None, start: bool = False,
-                 lora: Optional[LoRASpec] = None):
+                 serves: WeightVersion = WeightVersion("full")):
         cfg = engine_config()
         if config is not None:
             cfg.update(config)
@@ -214,23 +217,28 @@ class JaxEngine(InferenceEngine):
                 if cfg.kv_memory_fraction else -(-self.kv_budget // self.page_size))
             self.kv_budget = num_pages * self.page_size
             pool = (num_pages, self.page_size)
+        self.serves = serves.description()
+        self.lora = serves.lora
+        self.programs = engine_programs.engine_programs(
+            self.model_config, cfg, self._mesh, num_pages=pool[0] if pool else None,
+            lora=self.lora)
+        self._abstract_state = self.programs.params
+        self._param_shardings = self.programs.param_shardings
+        shapes = param_shapes(self._abstract_state)
+        self._adapter_shapes = None if self.lora is None else {
+            k: v for k, v in shapes.items() if k.endswith(("_lora_a", "_lora_b"))}
+        itemsize = np.dtype(self.dtype).itemsize
+        # held: the live weights, plus the next version's while it is staged (LoRA: adapters)
+        staged = sum(int(np.prod(v)) for v in (self._adapter_shapes or shapes).values())
         self.memory = engine_memory.check_fits(  # before allocating: a clear error, no OOM
             self.model_config, cfg.max_slots, cfg.max_seq_len, self.dtype, devices,
             pages=pool, pool_key="kv_memory_fraction" if cfg.kv_memory_fraction
-            else "kv_budget_tokens", layout=layout)
-        self.programs = engine_programs.engine_programs(
-            self.model_config, cfg, self._mesh, num_pages=pool[0] if pool else None)
-        self._abstract_state = self.programs.params
-        self._param_shardings = self.programs.param_shardings
+            else "kv_budget_tokens", layout=layout,
+            weights=sum(int(np.prod(v)) for v in shapes.values()) * itemsize,
+            staged=staged * itemsize)
         # the paged decode attention's implementation (`paged_kernels.IMPLS`; dense: unused)
         self.attention_impl = self.programs.kernel.impl
         initial = self._materialise(model)
-        # LoRA (docs/lora.md): `model` is the frozen base, kept; a version is its adapters,
-        # merged into this copy of the base (in float32) once per version by `update_weights`.
-        self.lora = lora
-        self._base = initial if lora is not None else None
-        self._adapter_shapes = (adapter_shapes(param_shapes(self._abstract_state), lora)
-                                if lora is not None else None)
         self.pages = (PageAllocator(*pool, cfg.max_slots, self.programs.max_pages)
                       if pool else None)
         zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
@@ -265,9 +273,9 @@ class JaxEngine(InferenceEngine):
     # ------------------------------------------------------------------ weights
 
     def _materialise(self, weights: Any) -> nnx.State:
-        """A fresh parameter state in the engine's dtype and shardings (never aliasing the
-        caller's buffers, which a learner may donate right after handing them over), checked
-        by `models.state_from_flat`."""
+        """The engine's first parameter state, from a model, a state, a flat dict or a
+        checkpoint directory: every weight ('full'), or the base with zero adapters ('lora':
+        the base's own outputs until the first version)."""
         if isinstance(weights, (str, os.PathLike)):
             weights = from_pretrained(os.fspath(weights), dtype=self.dtype)
         if isinstance(weights, (nnx.Module, nnx.State)):
@@ -275,6 +283,9 @@ class JaxEngine(InferenceEngine):
         elif not isinstance(weights, Mapping):
             raise TypeError("weights must be a flat {path: array} dict, an nnx.State, a model "
                             f"or a checkpoint path, got {type(weights).__name__}")
+        if self.lora is not None:
+            weights = {**{k: v for k, v in weights.items() if k not in self._adapter_shapes},
+                       **{k: np.zeros(s, self.dtype) for k, s in self._adapter_shapes.items()}}
         return state_from_flat(self._abstract_state, weights, self._param_shardings)
 
     def weight_shapes(self) -> Dict[str, tuple]:
@@ -284,9 +295,27 @@ class JaxEngine(InferenceEngine):
             return dict(self._adapter_shapes)
         return param_shapes(self._abstract_state)
 
-    def _merge_adapters(self, adapters: Mapping[str, Any]) -> nnx.State:
-        """The base with `adapters` (exactly this engine's adapter names and shapes, else
-        `WeightsMismatch`) merged in, in float32, as a fresh state in the engine's dtype."""
+    def _install(self, message: WeightVersion) -> nnx.State:
+        """The parameter state that serves `message` (checked against `serves` first):
+        'full', every weight placed fresh in the engine's dtype and shardings; 'lora', the
+        live state's base arrays themselves (no copy) with the new adapters placed in.
+        The one point where a version's tensors reach the device."""
+        check_receivable(self.serves, message)
+        tensors = message.tensors
+        if message.kind == "full":
+            if tensors is None:
+                tensors = flat_params(from_pretrained(message.path, dtype=self.dtype),
+                                      host=False)
+            return state_from_flat(self._abstract_state, tensors, self._param_shardings)
+        if tensors is None:
+            tensors, _ = read_peft_dir(message.path, self.model_config)
+        self._check_adapters(tensors)
+        live = flat_params(self.scheduler.params, host=False)
+        return state_from_flat(self._abstract_state, {**live, **tensors},
+                               self._param_shardings, keep=set(live) - set(tensors))
+
+    def _check_adapters(self, adapters: Mapping[str, Any]) -> None:
+        """Exactly this engine's adapter names and shapes, else `WeightsMismatch`."""
         expected = self._adapter_shapes
         missing = sorted(set(expected) - set(adapters))
         unknown = sorted(set(adapters) - set(expected))
@@ -299,8 +328,6 @@ class JaxEngine(InferenceEngine):
             if got != shape:
                 raise WeightsMismatch(f"adapters: {name!r} has shape {got}, this engine needs "
                                       f"{shape} (rank {self.lora.rank})")
-        merged = merge_lora(flat_params(self._base, host=False), adapters, self.lora.scale)
-        return state_from_flat(self._abstract_state, merged, self._param_shardings)
 
     @property
     def version(self) -> int:
@@ -313,17 +340,26 @@ class JaxEngine(InferenceEngine):
 
     def update_weights(self, weights: Any, version: int, *, wait: bool = True,
                        timeout: Optional[float] = None, allow_older: bool = False) -> None:
-        """See `InferenceEngine.update_weights`. `allow_older` lets lag injection install an
-        older version on purpose (never used by a normal run)."""
+        """See `InferenceEngine.update_weights`. `weights`: a `WeightVersion` (dispatched on
+        its kind; refused, `WeightVersionRefused`, unless it is what `serves` says), or, for
+        an engine serving 'full' versions, a flat dict, state, model or checkpoint path.
+        `allow_older` lets lag injection install an older version on purpose (never used by
+        a normal run)."""
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
             raise ValueError(f"update_weights: version must be an integer, got {version!r}")
         version = int(version)
         self.scheduler.check_newer(version, allow_older)
-        if self.lora is not None and isinstance(weights, Mapping) and not isinstance(
-                weights, nnx.State) and all(lora_lib.is_adapter_name(k) for k in weights):
-            params = self._merge_adapters(weights)  # the slow part, outside every lock
-        else:
-            params = self._materialise(weights)  # the slow part, outside every lock
+        if not isinstance(weights, WeightVersion):
+            if self.lora is not None:
+                raise WeightVersionRefused(
+                    f"update_weights({version}): this engine serves LoRA versions; hand it a "
+                    f"WeightVersion of kind 'lora', not a {type(weights).__name__}")
+            if isinstance(weights, (nnx.Module, nnx.State)):
+                weights = flat_params(weights, host=False)
+            weights = (WeightVersion("full").carrying(version, path=os.fspath(weights))
+                       if isinstance(weights, (str, os.PathLike)) else
+                       WeightVersion("full").carrying(version, tensors=weights))
+        params = self._install(weights)  # the slow part, outside every lock
         self.scheduler.stage_update(params, version, allow_older)
         if self._thread is None:
             self.scheduler.apply_update_now()
@@ -442,7 +478,6 @@ def make_jax_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> JaxE
     """The engine of rollout worker `index` (run config `cfg`), started, at version -1 (no
     usable weights until the learner's first version arrives)."""
     model = from_pretrained(init_checkpoint, dtype=cfg.engine.dtype)
-    lora = lora_lib.lora_spec(cfg)
     mesh = engine_programs.engine_mesh(cfg.engine.tensor_parallel)  # the role's devices
     return JaxEngine(model, cfg.engine, version=-1, engine_id=f"jax-{index}", start=True,
-                     lora=lora, mesh=mesh)
+                     serves=describe_run(cfg, init_checkpoint), mesh=mesh)

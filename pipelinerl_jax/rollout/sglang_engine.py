@@ -48,9 +48,9 @@ with finish reason 'abort' and counted (`on_abort='drop'`: the group stays whole
 treats it as truncated). A server that stays unreachable is removed from routing and its
 requests go to the others (`sglang_servers.py`).
 
-LoRA (`lora=LoRASpec`, docs/lora.md): a version is the adapters only, as a PEFT directory
-(`models.peft_io`; the learner's 'hf_dir' sink writes one per version, arrays are written
-here). The fleet loads it with `/load_lora_adapter` under a version-named adapter (no pause)
+LoRA (`serves` a 'lora' `WeightVersion`, docs/lora.md): a version is the adapters only, as a
+PEFT directory (`models.peft_io`; the learner's 'hf_dir' sink writes one per version, arrays
+are written here by the same writer, `weight_sink.write_weight_version`). The fleet loads it with `/load_lora_adapter` under a version-named adapter (no pause)
 and every request sent afterwards names it (`lora_path`); a request runs to its end on the
 adapter it was admitted with, so every token's `version` and `kv_version` is that adapter's
 (exact; the servers' `weight_version` labels only their base). Old adapters are unloaded once
@@ -74,8 +74,6 @@ from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from pipelinerl_jax.models import write_hf_dir
-from pipelinerl_jax.models.lora import LoRASpec, lora_spec
 from pipelinerl_jax.models.factory import resolve_model_config
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            completion_from_chunks, has_ready, take_ready,
@@ -91,7 +89,8 @@ from pipelinerl_jax.rollout.sglang_servers import Server, ServerFleet
 from pipelinerl_jax.tokenizers import get_tokenizer
 from pipelinerl_jax.transport.security import RetryPolicy
 from pipelinerl_jax.transport import weight_sink
-from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
+from pipelinerl_jax.transport.weight_version import (WeightVersion, check_receivable,
+                                                     describe_run)
 from pipelinerl_jax.types import Completion, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -107,7 +106,8 @@ class SGLangEngine(InferenceEngine):
     writes weights given as arrays (a path is used as is). `wait_ready=False` skips the
     startup wait for /health (every server is routed to at once). `require_refit`: fail now
     (`MissingEndpointError`, naming server and endpoint) if a server cannot be refit.
-    `lora`: versions are LoRA adapters of this spec (module docstring); `require_refit` then
+    `serves`: what the versions are (a `WeightVersion` description; a message of another
+    kind, base or LoRA shape is refused). For 'lora' (module docstring) `require_refit`
     probes the LoRA endpoints and server args instead.
 
     The engine owns the requests (queue, samples, answers, resubmits); its `ServerFleet`
@@ -118,7 +118,8 @@ class SGLangEngine(InferenceEngine):
                  vocab_size: int, max_seq_len: int, version: Optional[int] = None,
                  engine_id: str = "sglang", weights_dir: Optional[str] = None,
                  model_config: Any = None, wait_ready: bool = True,
-                 require_refit: bool = False, lora: Optional[LoRASpec] = None):
+                 require_refit: bool = False,
+                 serves: WeightVersion = WeightVersion("full")):
         cfg = sglang_config()
         if config is not None:
             cfg.update(dict(config))
@@ -128,7 +129,8 @@ class SGLangEngine(InferenceEngine):
         self.engine_id = engine_id
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
         self.weights_dir, self.model_config = weights_dir, model_config
-        self.lora = lora
+        self.serves = serves.description()
+        lora = self.lora = serves.lora
         retry = RetryPolicy(cfg.backoff_initial_s, cfg.backoff_max_s)
         servers = [Server(ServerClient(u, connect_timeout_s=cfg.connect_timeout_s,
                                        max_retries=cfg.max_retries, retry=retry,
@@ -426,9 +428,10 @@ class SGLangEngine(InferenceEngine):
 
     def update_weights(self, weights: Any, version: int, *, wait: bool = True,
                        timeout: Optional[float] = None, allow_older: bool = False) -> None:
-        """Refits every server to `weights` (an HF directory, or arrays written to
-        `weights_dir/v{version:08d}` first; LoRA: a PEFT adapter directory, or the adapters'
-        arrays). See `InferenceEngine.update_weights`; `allow_older` permits going back to an
+        """Refits every server to `weights`: a `WeightVersion` (refused unless it is what the
+        engine serves), a directory, or arrays (written to `weights_dir/v{version:08d}`
+        first, by `weight_sink.write_weight_version`: an HF checkpoint, for LoRA a PEFT
+        adapter directory). See `InferenceEngine.update_weights`; `allow_older` permits going back to an
         older version (lag injection)."""
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
             raise ValueError(f"update_weights: version must be an integer, got {version!r}")
@@ -438,6 +441,9 @@ class SGLangEngine(InferenceEngine):
         self.fleet.refit(path, version, wait=wait, timeout=timeout, allow_older=allow_older)
 
     def _weights_path(self, weights: Any, version: int) -> str:
+        if isinstance(weights, WeightVersion):
+            check_receivable(self.serves, weights)
+            weights = weights.path if weights.path is not None else weights.tensors
         if isinstance(weights, (str, os.PathLike)):
             # Read by the servers, on their hosts: a shared file system, same path everywhere.
             return os.path.abspath(os.fspath(weights))
@@ -446,15 +452,9 @@ class SGLangEngine(InferenceEngine):
                              "model_config=...) to be written as an HF directory; pass a "
                              "checkpoint directory instead")
         # Appears atomically (a server never loads half a version); an older copy is replaced.
-        if self.lora is not None:
-            from pipelinerl_jax.models.peft_io import write_peft_dir
-            return write_versioned_dir(
-                self.weights_dir, version,
-                lambda d: write_peft_dir(weights, self.model_config, self.lora, d),
-                overwrite=True)
-        return write_versioned_dir(
-            self.weights_dir, version,
-            lambda d: write_hf_dir(weights, self.model_config, d), overwrite=True)
+        return weight_sink.write_weight_version(
+            self.weights_dir, self.serves.carrying(version, tensors=weights),
+            weight_sink.dir_writer(self.serves, self.model_config)).path
 
     def health(self) -> Dict[str, Any]:
         with self._cv:
@@ -530,7 +530,8 @@ class SGLangEngine(InferenceEngine):
 def make_sglang_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> SGLangEngine:
     """The engine of rollout worker `index`: servers `urls[index::num_workers]`, version -1
     (no usable weights until the learner's first version is installed). `init_checkpoint` is
-    not read: the servers were launched with their own."""
+    only described (`describe_run`: LoRA adapters are of its base); the servers were
+    launched with their own copy."""
     validate_sglang_config(cfg.sglang, "sglang", required=True,
                            num_workers=cfg.rollout.num_workers)
     urls = tuple(cfg.sglang.urls)[index::cfg.rollout.num_workers]
@@ -539,4 +540,4 @@ def make_sglang_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> S
                         max_seq_len=cfg.sglang.max_seq_len, version=-1,
                         engine_id=f"sglang-{index}",
                         weights_dir=weight_sink.weights_dir(cfg, workdir), model_config=model_cfg,
-                        require_refit=True, lora=lora_spec(cfg))
+                        require_refit=True, serves=describe_run(cfg, init_checkpoint))

@@ -162,16 +162,13 @@ class RolloutWorker:
         """Whether one more group may start now (rollout/admission.py)."""
         return self.admission.can_admit()
 
-    def on_weights(self, version: int, params, policy_version: Optional[int] = None) -> None:
-        """Weight-subscriber callback (subscriber thread): stream version `version` holds
-        the weights of `policy_version` (the same but under lag injection).
-
-        `params` is the `{name: array}` dict, or the path (a `str`) of the HF checkpoint
-        directory the version was published as (`transport.weight_sink.HFDirSink`); the
-        engine loads it there.
-        """
-        self.rollout_log.weights_received(version)
-        self.admission.on_weights(version, params, policy_version)
+    def on_weights(self, message) -> None:
+        """Weight-subscriber callback (subscriber thread): `message`, a
+        `transport.weight_version.WeightVersion`, is stream version `message.version` holding
+        the weights of policy `message.policy` (the same but under lag injection), as arrays
+        or a directory; the engine installs it by its kind."""
+        self.rollout_log.weights_received(message.version)
+        self.admission.on_weights(message)
 
     def admit(self, max_requests: int) -> int:
         """Starts every group admission allows now (up to `max_requests` in flight; in

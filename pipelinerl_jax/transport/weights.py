@@ -1,25 +1,22 @@
-"""Versioned weight sync: the learner publishes `(version, params)`, engines subscribe.
+"""Versioned weight sync: the learner publishes `WeightVersion`s, engines subscribe.
 
-`params` is a flat `dict[str, np.ndarray]` (e.g. `layers/0/attn/q_proj/kernel`), any dtype in
-`codec.DTYPES` (float32, bfloat16 via ml_dtypes, ...). One version travels over the gRPC
-stream `WeightSync.Subscribe` as
-    header (names, dtypes, shapes, byte offsets, total size, chunk count)
+A version is a `weight_version.WeightVersion` (kind 'full' | 'lora', base sha256, LoRA
+rank/alpha/targets, policy version) carrying a flat `dict[str, np.ndarray]` (e.g.
+`layers/0/attn/q_proj/kernel`), any dtype in `codec.DTYPES` (float32, bfloat16 via ml_dtypes,
+...), or a directory's path. One version travels over the gRPC stream `WeightSync.Subscribe` as
+    header (the message's fields; names, dtypes, shapes, byte offsets, total size, chunks)
     chunk × num_chunks (in offset order; each with its zlib.crc32)
     commit (version, total bytes, chunk count)
 Tensors are laid out in one payload at 64-byte-aligned offsets, so the subscriber copies each
 chunk straight into one preallocated buffer and hands out views of it: no per-tensor copies.
 
-The header may also carry a `policy_version`: which policy the weights are when that is not
-`version` itself (lag injection ships an older policy's weights as a new stream version), and
-a `path`: a version published as an HF checkpoint directory (`publish_dir`, used by
-`weight_sink.HFDirSink`) carries no tensors, only that directory's absolute path, which the
-subscriber hands to its callback in place of the arrays (what was published travels in the
-message: the receiver rebuilds nothing from its own config).
+The header's `policy_version` says which policy the weights are when that is not `version`
+itself (lag injection ships an older policy's weights as a new stream version); a version
+published as a directory (`weight_sink.HFDirSink`) carries no tensors, only its `path`.
+What was published travels in the message: the receiver rebuilds nothing from its own config.
 
-Guarantees to the subscriber's `on_weights(version, params, policy_version)` callback
-(`params`: the `{name: array}` dict, or the directory path, a `str`, of a version published
-with `publish_dir`; `policy_version` is the header's, or `version` when the publisher gave
-none):
+Guarantees to the subscriber's `on_weights(message)` callback (a `WeightVersion` with the
+tensors or the path):
 - called only for a version whose every chunk arrived, in order, with matching crc32, version
   and sizes; a partial, corrupt or interleaved version is discarded, never applied;
 - versions are increasing per publisher instance; a subscriber that fell behind (or connects
@@ -31,7 +28,8 @@ none):
   older version (resumed checkpoint); subscribers follow it;
 - a hostile or broken stream cannot take the subscriber down: every frame is read with its
   wire types checked, a header is checked against what the subscriber accepts *before* its
-  buffer is allocated (consistent tensor specs; `total_bytes` within `max_version_bytes`
+  buffer is allocated (a known kind, and with `accepts` the receiver's kind, base sha256 and
+  LoRA shape; consistent tensor specs; `total_bytes` within `max_version_bytes`
   and this machine's physical memory; with `expected_shapes`, exactly those names and
   shapes; tensors or a path, never both nor neither; a path absolute, without NUL, at most
   `MAX_PATH_CHARS`), and any exception while reading a version (a failed allocation included)
@@ -41,8 +39,9 @@ The learner must announce version v to the RolloutQueue (`set_version`) BEFORE `
 or rollouts sampled with v could be rejected as coming from the future.
 
 Speed (see docs/transport.md): `publish` copies nothing; each chunk frame is assembled by
-hand straight from the tensor memory when a stream sends it (one copy, instead of the two
-more a protobuf message would make), and its crc32 is computed once for all subscribers.
+hand straight from the tensor memory the first time a stream sends it (one copy, instead of
+the two more a protobuf message would make) and kept for every other subscriber, with its
+crc32, until a newer version replaces it.
 The subscriber copies each chunk once into a version buffer that it recycles once the
 previous callback's arrays are no longer referenced (fresh pages cost more than the copy).
 """
@@ -56,7 +55,7 @@ import threading
 import uuid
 import zlib
 from concurrent import futures
-from typing import Callable, Mapping, NamedTuple, Optional, Union
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import grpc
 import numpy as np
@@ -66,6 +65,8 @@ from pipelinerl_jax.transport import wire
 from pipelinerl_jax.transport.codec import dtype_from_name
 from pipelinerl_jax.transport.security import (
     DEFAULT_HOST, RetryPolicy, TLSConfig, call_metadata, host_port, make_channel, make_server)
+from pipelinerl_jax.transport.weight_version import KINDS, WeightVersion, refusal
+from pipelinerl_jax.models.lora import LoRASpec
 
 log = logging.getLogger(__name__)
 
@@ -102,21 +103,41 @@ def _physical_memory() -> int:
         return 1 << 62
 
 
-class _Version:
-    """One published version. `publish` copies nothing: chunk frames are built when a stream
-    sends them, straight from the tensor memory. The crc32 of every chunk is computed once,
-    ahead of the streams on a background thread (zlib releases the GIL), and shared."""
+def header_fields(message: WeightVersion) -> dict:
+    """The `WeightHeader` fields that describe `message` (kind, base, LoRA shape, versions,
+    path)."""
+    out = dict(version=message.version, kind=message.kind, base_sha256=message.base_sha256,
+               policy_version=message.policy_version, path=message.path)
+    if message.lora is not None:
+        out.update(lora_rank=message.lora.rank, lora_alpha=message.lora.alpha,
+                   lora_targets=list(message.lora.targets))
+    return out
 
-    def __init__(self, version: int, publisher_id: str, params: Mapping[str, np.ndarray],
-                 chunk_bytes: int, crc_pool: Optional[futures.Executor],
-                 policy_version: Optional[int] = None, path: Optional[str] = None):
+
+def message_of(header: pb.WeightHeader, tensors=None, path=None) -> WeightVersion:
+    """The `WeightVersion` a header describes (raises `WeightVersionRefused` if malformed)."""
+    lora = (LoRASpec(int(header.lora_rank), float(header.lora_alpha),
+                     tuple(header.lora_targets)) if header.kind == "lora" else None)
+    return WeightVersion(header.kind, header.base_sha256, lora, header.version,
+                         header.policy_version if header.HasField("policy_version") else None,
+                         tensors, path)
+
+
+class _Version:
+    """One published version. `publish` copies nothing: a chunk frame is built the first time
+    a stream sends it, straight from the tensor memory, and kept for the other streams
+    (assembled once for all subscribers). The crc32 of every chunk is computed once, ahead
+    of the streams on a background thread (zlib releases the GIL), and shared."""
+
+    def __init__(self, message: WeightVersion, publisher_id: str, chunk_bytes: int,
+                 crc_pool: Optional[futures.Executor]):
         if sys.byteorder != "little":
             raise NotImplementedError("weight sync assumes a little-endian host")
-        header = pb.WeightHeader(version=version, publisher_id=publisher_id,
-                                 has_crc32=crc_pool is not None, policy_version=policy_version,
-                                 path=path)
+        header = pb.WeightHeader(publisher_id=publisher_id, has_crc32=crc_pool is not None,
+                                 **header_fields(message))
+        version = message.version
         self.segments, offset = [], 0  # (payload offset, uint8 view of the tensor)
-        for name, value in params.items():
+        for name, value in (message.tensors or {}).items():
             arr = np.asarray(value)
             if not arr.flags.c_contiguous:  # (ascontiguousarray would turn 0-d into 1-d)
                 arr = np.ascontiguousarray(arr)
@@ -135,6 +156,9 @@ class _Version:
             version=version, total_bytes=offset, num_chunks=self.num_chunks)).SerializeToString()
         self._crcs = None if crc_pool is None else [
             crc_pool.submit(self._crc, i) for i in range(self.num_chunks)]
+        self._frames: list = [None] * self.num_chunks  # assembled chunk frames, shared
+        self._frame_lock = threading.Lock()
+        self.assembled_bytes = 0  # payload bytes copied into frames (once per chunk)
 
     def cancel_pending(self) -> None:
         """A newer version exists: skip checksums nobody may need (computed on demand)."""
@@ -144,8 +168,20 @@ class _Version:
     def frames(self):
         yield self.header
         for i in range(self.num_chunks):
-            yield self._chunk(i)
+            yield self._frame(i)
         yield self.commit
+
+    def _frame(self, index: int) -> bytes:
+        """Chunk `index`'s frame, assembled by the first stream that needs it."""
+        frame = self._frames[index]
+        if frame is None:
+            with self._frame_lock:
+                frame = self._frames[index]
+                if frame is None:
+                    frame = self._frames[index] = self._chunk(index)
+                    self.assembled_bytes += min(self.chunk_bytes,
+                                                self.nbytes - index * self.chunk_bytes)
+        return frame
 
     def _pieces(self, index: int) -> list:
         """The chunk's payload as views of the tensors (plus zero padding)."""
@@ -217,31 +253,30 @@ class WeightPublisher:
         with self._cv:
             return -1 if self._latest is None else self._latest.version
 
-    def publish(self, version: int, params: Mapping[str, np.ndarray],
-                policy_version: Optional[int] = None) -> None:
-        """Makes `params` (at least one tensor) the newest version. Versions must increase.
-        `policy_version`: the policy these weights are, when not `version` (subscribers get
-        `version` otherwise).
+    @property
+    def latest_assembled_bytes(self) -> int:
+        """Payload bytes copied into frames for the newest version so far (whatever the
+        number of subscribers: at most its size)."""
+        with self._cv:
+            return 0 if self._latest is None else self._latest.assembled_bytes
+
+    def publish(self, message: WeightVersion) -> None:
+        """Makes `message` the newest version (versions must increase). It carries at least
+        one tensor, or the absolute path of a complete directory (subscribers' callbacks get
+        the path instead of arrays).
 
         Zero-copy: the arrays are read while streams send them, so they must not be modified
         after this call (`jax.device_get` returns fresh arrays, so the usual call is safe).
         """
-        if not params:
-            raise ValueError(f"version {version}: no tensors (a version published as a "
-                             "directory goes through publish_dir)")
-        self._publish(version, params, policy_version, None)
-
-    def publish_dir(self, version: int, path: str,
-                    policy_version: Optional[int] = None) -> None:
-        """Makes the HF checkpoint directory `path` (absolute, already complete) the newest
-        version: subscribers' callbacks get the path itself instead of arrays."""
-        problem = path_problem(path)
-        if problem is not None:
-            raise ValueError(f"version {version}: path {problem}")
-        self._publish(version, {}, policy_version, path)
-
-    def _publish(self, version: int, params: Mapping[str, np.ndarray],
-                 policy_version: Optional[int], path: Optional[str]) -> None:
+        if not isinstance(message, WeightVersion):
+            raise TypeError(f"publish takes a WeightVersion, got {type(message).__name__}")
+        version, policy_version = message.version, message.policy_version
+        if message.path is not None:
+            problem = path_problem(message.path)
+            if problem is not None:
+                raise ValueError(f"version {version}: path {problem}")
+        elif not message.tensors:
+            raise ValueError(f"version {version}: no tensors and no path")
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         if policy_version is not None and not 0 <= policy_version <= version:
@@ -249,9 +284,7 @@ class WeightPublisher:
         latest = self.latest_version
         if version <= latest:
             raise ValueError(f"version {version} is not newer than published {latest}")
-        frames = _Version(int(version), self.publisher_id, params, self.chunk_bytes,
-                          self._crc_pool,
-                          None if policy_version is None else int(policy_version), path)
+        frames = _Version(message, self.publisher_id, self.chunk_bytes, self._crc_pool)
         with self._cv:
             if self._latest is not None and version <= self._latest.version:
                 raise ValueError(f"version {version} raced with {self._latest.version}")
@@ -395,7 +428,8 @@ class _BufferPool:
 class _Assembler:
     """Collects one version's chunks into a single buffer, checking everything.
 
-    The header is checked before anything is allocated: tensor specs consistent (known
+    The header is checked before anything is allocated: its kind known (and, with
+    `accepts`, the receiver's: kind, base sha256, LoRA shape), tensor specs consistent (known
     dtype, non-negative dims, `nbytes` = elements × itemsize, aligned, inside the payload),
     `total_bytes` no more than the tensors' extent plus alignment, within `max_bytes`, and,
     with `expected_shapes` ({name: shape}), exactly those tensors. A version carries
@@ -405,7 +439,18 @@ class _Assembler:
 
     def __init__(self, header: pb.WeightHeader, max_bytes: int, pool: _BufferPool,
                  crc_pool: Optional[futures.Executor] = None,
-                 expected_shapes: Optional[Mapping[str, tuple]] = None):
+                 expected_shapes: Optional[Mapping[str, tuple]] = None,
+                 accepts: Optional[WeightVersion] = None):
+        if header.kind not in KINDS:
+            raise _CorruptVersion(f"version {header.version}: unknown kind {header.kind!r}; "
+                                  f"known {KINDS}")
+        try:
+            problem = message_of(header).problem() if accepts is None else \
+                refusal(accepts, message_of(header))
+        except ValueError as e:  # a malformed description
+            problem = str(e)
+        if problem is not None:
+            raise _CorruptVersion(problem)
         total = header.total_bytes
         if total < 0 or total > max_bytes:
             raise _CorruptVersion(f"total_bytes {total} out of range: this subscriber "
@@ -486,8 +531,8 @@ class _Assembler:
         self.next_index += 1
         self.next_offset += len(data)
 
-    def finish(self, commit: pb.WeightCommit):
-        """The version's `{name: array}` dict, or its path (a directory publication)."""
+    def finish(self, commit: pb.WeightCommit) -> WeightVersion:
+        """The version: its `{name: array}` dict, or its path (a directory publication)."""
         h = self.header
         if (commit.version, commit.total_bytes, commit.num_chunks) != \
                 (h.version, h.total_bytes, h.num_chunks) or \
@@ -499,21 +544,22 @@ class _Assembler:
             if crc.result() != expected:
                 raise _CorruptVersion(f"chunk {index}: crc32 mismatch")
         if h.HasField("path"):
-            return h.path
-        return {name: self.buffer[off:off + n].view(dt).reshape(shape)
-                for name, dt, shape, off, n in self.specs}
+            return message_of(h, path=h.path)
+        return message_of(h, tensors={name: self.buffer[off:off + n].view(dt).reshape(shape)
+                                      for name, dt, shape, off, n in self.specs})
 
 
 class _StreamReader:
     """Reads one connection's frames into complete versions: `feed(raw)` returns
-    `(header, params)` when a commit completes a version, None otherwise, and raises
+    `(header, message)` when a commit completes a version, None otherwise, and raises
     _CorruptVersion for anything wrong with the stream (whatever the underlying error)."""
 
     def __init__(self, max_bytes: int, pool: _BufferPool,
                  crc_pool: Optional[futures.Executor] = None,
-                 expected_shapes: Optional[Mapping[str, tuple]] = None):
+                 expected_shapes: Optional[Mapping[str, tuple]] = None,
+                 accepts: Optional[WeightVersion] = None):
         self.max_bytes, self.pool, self.crc_pool = max_bytes, pool, crc_pool
-        self.expected_shapes = expected_shapes
+        self.expected_shapes, self.accepts = expected_shapes, accepts
         self.assembler: Optional[_Assembler] = None
         self.receiving: tuple[int, int, int] = (-1, 0, 0)  # (version, bytes so far, total)
         self.in_progress = False  # a header arrived (accepted or not), its commit not yet
@@ -533,7 +579,7 @@ class _StreamReader:
                 raise _CorruptVersion("new header before commit")
             self.in_progress = True
             self.assembler = _Assembler(msg, self.max_bytes, self.pool, self.crc_pool,
-                                        self.expected_shapes)
+                                        self.expected_shapes, self.accepts)
             self.receiving = (msg.version, 0, msg.total_bytes)
         elif kind == "chunk" and self.assembler is not None:
             self.assembler.add(msg)
@@ -550,25 +596,29 @@ class _StreamReader:
 
 
 class WeightSubscriber:
-    """Background thread that applies each complete version via
-    `on_weights(version, params, policy_version)` (module docstring: the guarantees).
+    """Background thread that applies each complete version via `on_weights(message)`, a
+    `WeightVersion` (module docstring: the guarantees).
 
-    `params` arrays are views of a recycled version buffer: the callback may keep them (a
-    buffer is reused only once no view of it is alive). For a version published as a
-    directory (`WeightPublisher.publish_dir`), `params` is that path, a `str`.
+    The message's tensors are views of a recycled version buffer: the callback may keep them
+    (a buffer is reused only once no view of it is alive). A version published as a
+    directory carries its `path` instead. `accepts` (a `WeightVersion` description, e.g. the
+    engine's `serves`) refuses, before anything is allocated, a version of another kind, or
+    LoRA adapters of another base or shape; a version of an unknown kind is always refused.
     `expected_shapes` ({name: shape}, e.g. the engine's parameters) bounds what a version
     may carry: a header with other names or shapes is refused before anything is allocated. `max_version_bytes` (and this machine's
     physical memory) bounds it otherwise. `health()` tells whether the thread is alive and
     what went wrong last.
     """
 
-    def __init__(self, address: str, on_weights: Callable[[int, Union[dict, str], int], None],
+    def __init__(self, address: str, on_weights: Callable[[WeightVersion], None],
                  token: Optional[str] = None, tls: Optional[TLSConfig] = None, *,
                  max_message_bytes: int = DEFAULT_CHUNK_BYTES + (1 << 20),
                  max_version_bytes: int = 1 << 40, retry: RetryPolicy = RetryPolicy(),
                  verify_crc: bool = True, subscriber_id: Optional[str] = None,
-                 expected_shapes: Optional[Mapping[str, tuple]] = None):
+                 expected_shapes: Optional[Mapping[str, tuple]] = None,
+                 accepts: Optional[WeightVersion] = None):
         self.address = address
+        self._accepts = None if accepts is None else accepts.description()
         self._on_weights = on_weights
         self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls=tls)
         self._subscribe = self._channel.unary_stream(
@@ -642,7 +692,7 @@ class WeightSubscriber:
         attempt = 0
         while not self._closed:
             reader = self._reader = _StreamReader(self._max_bytes, self._pool, self._crc_pool,
-                                                  self._expected)
+                                                  self._expected, self._accepts)
             try:
                 self._call = self._subscribe(
                     pb.SubscribeRequest(have_version=self._latest,
@@ -672,14 +722,13 @@ class WeightSubscriber:
             self._closing.wait(self._retry.delay(attempt))
             attempt += 1
 
-    def _apply(self, header: pb.WeightHeader, params: dict) -> None:
+    def _apply(self, header: pb.WeightHeader, message: WeightVersion) -> None:
         newer = header.version > self._latest or header.publisher_id != self._publisher_id
         if not newer:  # a publisher never sends this; defend the monotonic contract anyway
             self.versions_discarded += 1
             return
-        policy = header.policy_version if header.HasField("policy_version") else header.version
         try:
-            self._on_weights(header.version, params, policy)
+            self._on_weights(message)
         except Exception as e:  # a failing callback must not kill the subscription
             self._error(f"on_weights({header.version}) raised {e!r}", warn=False)
             log.exception("weight subscriber %s: on_weights failed", self.subscriber_id)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import run_config
+from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.envs import ModelTurn, build_task
 from pipelinerl_jax.envs.calculator import CalculatorEnv
 from pipelinerl_jax.learner import loop as learner_loop
@@ -44,7 +45,8 @@ class InProcessSink:
     def publish(self, version, params, policy_version=None):
         self.published.append(version)
         if self.worker is not None:
-            self.worker.on_weights(version, params)
+            self.worker.on_weights(WeightVersion("full").carrying(
+                version, tensors=params, policy_version=policy_version))
 
     def close(self):
         pass

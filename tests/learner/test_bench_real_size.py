@@ -85,14 +85,19 @@ def test_kv_layout_both_times_dense_and_paged_interleaved(tmp_path):
     assert out["paged_vs_dense_range"]["batch_8"] == [min(rounds), max(rounds)]
 
 
-def test_weight_sync_bench_smoke():
-    """scripts/bench_weight_sync.py --small: both publication modes through a real StreamSink."""
+def _weight_sync_bench(*args) -> dict:
+    """scripts/bench_weight_sync.py's final JSON line."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_weight_sync.py"),
-                           "--small", "--steps=3", "--seq=16"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+                           *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_weight_sync_bench_smoke():
+    """scripts/bench_weight_sync.py --small: both publication modes through a real StreamSink."""
+    out = _weight_sync_bench("--small", "--steps=3", "--seq=16")
     for mode in ("blocking", "overlapped"):
         m = out[mode]
         assert m["step_s"] > 0 and m["publish_blocking_s"] >= 0
@@ -116,3 +121,19 @@ def test_decode_attention_bench_smoke():
     assert q1 <= out["paged_speed_vs_dense"] <= q3
     assert out["hlo_ops"]["paged"]["transpose"] == 2 * out["layers"]
     assert out["hlo_ops"]["dense"]["transpose"] == 0
+
+
+def test_weight_sync_live_bench_smoke():
+    """scripts/bench_weight_sync.py --live --small: publish -> live in a JaxEngine, full and
+    LoRA, each full copy measured; on CPU a full version of a matching dtype takes at most
+    three (frames once, the subscriber's buffer, the transfer to the engine's device, which
+    jax may skip by aliasing the buffer)."""
+    out = _weight_sync_bench("--live", "--small", "--versions=2")
+    copies = dict(out["full_copies"])
+    assert copies.pop("host_to_device") in (0, 1)  # jax may alias an aligned host array
+    assert copies == {"snapshot": 0, "device_to_host": 0, "frame_assembly": 1.0,
+                      "subscriber_buffer": 1, "host_cast": 0.0}, out["full_copies"]
+    assert out["full_host_copies"] <= 3.0
+    assert out["lora_bytes"] < out["full_bytes"] / 4
+    assert out["lora_to_full_publish_to_live_ratio"] == pytest.approx(
+        out["lora_publish_to_live_s"] / out["full_publish_to_live_s"], abs=1e-3)

@@ -10,6 +10,7 @@ from pipelinerl_jax.lag_control import LagController, LagLaw
 from pipelinerl_jax.learner.loop import Shipper
 from pipelinerl_jax.models import flat_params
 from pipelinerl_jax.learner.publication import Publication
+from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox
 
 _step = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
 
@@ -117,3 +118,39 @@ def test_a_version_is_announced_with_the_limit_handed_in_at_submit():
     pub.close()
     assert announced == [(1, 3)] and published == [1]
     assert pub.last_duration_s > 0.0  # collected on this thread by close()
+
+
+def test_a_slow_evaluation_disk_never_holds_up_the_publication_thread(tmp_path):
+    """The evaluator's HF-directory writes run on the outbox's own thread: with a disk that
+    does not finish a write until released, the learner publishes three more versions (each
+    `submit` waits for the previous publication, so a write on the publication thread would
+    block the second one for ever), and every due version is written afterwards, in order."""
+    written, writing, disk = [], threading.Event(), threading.Event()
+
+    def slow_save(flat, directory):
+        writing.set()
+        assert disk.wait(60.0), "the disk was never released"
+        written.append(int(flat["a"][0, 0]))
+
+    class Queue:
+        def set_version(self, version, **announce):
+            pass
+
+    class Sink:
+        def publish(self, version, flat, policy_version=None):
+            published.append(version)
+
+    published = []
+    outbox = EvalOutbox(str(tmp_path / "eval"), slow_save, eval_every=1, total_steps=3)
+    pub = Publication(Shipper(Queue(), Sink(), evals=outbox))
+    params = _params()
+    for v in range(4):  # every version is due (eval_every=1)
+        pub.submit(v, params, {})
+        params = _step(params)
+    pub.result()  # version 3 is out while version 0's write still waits for the disk
+    assert published == [0, 1, 2, 3] and writing.wait(60.0) and written == []
+    disk.set()
+    outbox.finish(3, flat_params({"a": jnp.full((64, 64), 3.0)}))
+    pub.close()
+    assert written == [0, 1, 2, 3]
+    assert EvalInbox(str(tmp_path / "eval")).final() == 3

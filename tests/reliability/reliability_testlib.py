@@ -137,7 +137,7 @@ def weights_publisher_main(conn, files: dict, chunk_bytes: int,
     """A weight publisher process (a learner stand-in, meant to be SIGKILLed) driven over a
     pipe: `version` publishes the safetensors file `files[version]` as that version."""
     from safetensors.numpy import load_file
-    from pipelinerl_jax.transport.weights import WeightPublisher
+    from tests.transport.flat_weights import FlatPublisher as WeightPublisher
     pub = WeightPublisher(address, chunk_bytes=chunk_bytes)
     conn.send(pub.port)
     while True:

@@ -31,10 +31,11 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import weights, wire
+from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.transport.codec import Limits
 from pipelinerl_jax.transport.queue_client import RetryPolicy
 from pipelinerl_jax.transport.queue_server import MAX_ID_CHARS, RolloutQueueServer
-from pipelinerl_jax.transport.weights import WeightSubscriber
+from tests.transport.flat_weights import FlatSubscriber as WeightSubscriber
 from tests.reliability import hostile
 from tests.reliability.hostile import ANNOUNCED, problems
 from tests.transport.fake_weight_stream import ScriptedPublisher
@@ -332,13 +333,14 @@ PARAMS = {"embed": np.arange(60, dtype=np.float32).reshape(12, 5),
           "scalar": np.float32(3.5) * np.ones((), np.float32)}
 EXPECTED = {k: v.shape for k, v in PARAMS.items()}
 CRC_POOL = futures.ThreadPoolExecutor(1)
-FRAMES = list(weights._Version(5, "pub", PARAMS, 64, CRC_POOL).frames())
+FRAMES = list(weights._Version(WeightVersion("full").carrying(5, tensors=PARAMS), "pub", 64,
+                                     CRC_POOL).frames())
 PAYLOAD = b"".join(pb.WeightMessage.FromString(f).chunk.data for f in FRAMES[1:-1])
 
 
 def _huge_header() -> list:  # issue 23 finding 5
     n = 900 << 30
-    h = pb.WeightHeader(version=7, publisher_id="p", total_bytes=n, num_chunks=1)
+    h = pb.WeightHeader(kind="full", version=7, publisher_id="p", total_bytes=n, num_chunks=1)
     h.tensors.add(name="embed", dtype="uint8", shape=[n], offset=0, nbytes=n)
     return [pb.WeightMessage(header=h).SerializeToString()]
 
@@ -479,7 +481,8 @@ def test_weight_subscriber_survives_hostile_streams_over_grpc(report):
     and applies it."""
     scripts = [_huge_header(), _varint_data()] + [hostile_stream(random.Random(k))
                                                   for k in range(38)]
-    good = list(weights._Version(6, "pub", PARAMS, 64, CRC_POOL).frames())
+    good = list(weights._Version(WeightVersion("full").carrying(6, tensors=PARAMS), "pub", 64,
+                                         CRC_POOL).frames())
     applied = []
     with ScriptedPublisher(scripts + [good], hold_open_s=0.0) as pub:
         sub = WeightSubscriber(pub.address, lambda v, p, pv: applied.append(v),

@@ -15,7 +15,7 @@ import pytest
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.transport import RolloutQueueServer, transport_config
 from pipelinerl_jax.transport.config import validate_transport_config
-from pipelinerl_jax.transport.weights import WeightPublisher
+from tests.transport.flat_weights import FlatPublisher as WeightPublisher
 from tests.pipeline_testlib import ROOT
 
 SCANNED = ("pipelinerl_jax", "experiments", "scripts", "configs")

@@ -13,6 +13,7 @@ import numpy as np
 from pipelinerl_jax.rollout.admission import (BatchPlaces, InjectedLagAdmission,
                                               PipelineAdmission, QueueView, worker_share)
 from pipelinerl_jax.rollout.rollout_log import RolloutLog
+from pipelinerl_jax.transport.weight_version import WeightVersion
 
 
 class StatsSource:
@@ -172,12 +173,12 @@ def test_no_group_starts_before_weights_or_a_learner_or_while_the_engine_is_ahea
     calls = stats.calls
     assert not policy.can_admit()
     assert stats.calls == calls + 2  # looked again at once, without waiting for the cache
-    policy.on_weights(1, {"w": 1})
-    assert engine.installs[-1] == ({"w": 1}, 1, True) and policy.can_admit()
+    policy.on_weights(_msg(1, {"w": 1}))
+    assert engine.installs[-1] == (_msg(1, {"w": 1}), 1, True) and policy.can_admit()
     assert [e["event"] for e in events(tmp_path)] == ["weights_rollback"]
-    policy.on_weights(2, {"w": 2})
-    policy.on_weights(2, {"w": 2})  # the same version again: nothing to do
-    assert engine.installs[1:] == [({"w": 2}, 2, False)]
+    policy.on_weights(_msg(2, {"w": 2}))
+    policy.on_weights(_msg(2, {"w": 2}))  # the same version again: nothing to do
+    assert engine.installs[1:] == [(_msg(2, {"w": 2}), 2, False)]
 
 
 def test_lockstep_starts_groups_in_waves(tmp_path):
@@ -191,6 +192,11 @@ def test_lockstep_starts_groups_in_waves(tmp_path):
         policy.finished(t.group_id)
     assert policy.room(2) == 3
     assert pipeline(tmp_path, share=3)[0].room(2) == 2  # async: up to max_requests
+
+
+def _msg(version, tensors=None, policy_version=None, path=None):
+    return WeightVersion("full").carrying(version, tensors=tensors, path=path,
+                                          policy_version=policy_version)
 
 
 def injected(tmp_path, share=2):
@@ -214,7 +220,7 @@ def test_injection_waits_for_the_weights_of_its_step_and_installs_their_policy_v
     policy, stats, clock, engine, streams = injected(tmp_path)
     assert policy.lockstep and policy.allowed_lag() == 0
     weights = {"w": np.arange(3.0)}
-    policy.on_weights(0, weights, policy_version=0)
+    policy.on_weights(_msg(0, weights, 0))
     assert not policy.can_admit()  # no learner announced yet
     stats.now["learner_version"] = 0
     clock.t += 1.0
@@ -231,15 +237,14 @@ def test_injection_waits_for_the_weights_of_its_step_and_installs_their_policy_v
     stats.now["learner_version"] = 1
     clock.t += 1.0
     assert not policy.can_admit()  # step 1's weights have not arrived
-    policy.on_weights(1, weights, policy_version=0)
-    weights["w"][:] = -1.0  # the subscriber reuses its buffers
+    policy.on_weights(_msg(1, weights, 0))
     tickets = admit_all(policy)
     assert [(t.group_id, t.problem) for t in tickets] == [("w0-s1-0", "s1p0"), ("w0-s1-1", "s1p1")]
     params, version, allow_older = engine.installs[1]
     assert (version, allow_older) == (0, True)  # installed as the policy version it holds
-    np.testing.assert_array_equal(params["w"], np.arange(3.0))  # a copy of what arrived
+    assert params.version == 1 and params.policy == 0  # the message as it arrived
     # step 2: its weights are here, but step 1's groups finish first
-    policy.on_weights(2, {"w": np.ones(3)}, policy_version=1)
+    policy.on_weights(_msg(2, {"w": np.ones(3)}, 1))
     stats.now["learner_version"] = 2
     clock.t += 1.0
     assert not policy.can_admit() and len(engine.installs) == 2
@@ -253,10 +258,10 @@ def test_injection_waits_for_the_weights_of_its_step_and_installs_their_policy_v
 def test_injection_refills_a_released_place_within_the_step(tmp_path):
     policy, stats, clock, engine, streams = injected(tmp_path, share=2)
     stats.now["learner_version"] = 0
-    policy.on_weights(0, "/weights/v0")  # an HF directory: passed on as it is
+    policy.on_weights(_msg(0, path="/weights/v0"))  # a directory: passed on as it is
     tickets = admit_all(policy)
     for t in tickets:
         policy.finished(t.group_id)
     policy.release(tickets[1].batch)  # filtered
     assert [t.group_id for t in admit_all(policy)] == ["w0-s0-2"]
-    assert engine.installs == [("/weights/v0", 0, True)] and streams == [0]
+    assert engine.installs == [(_msg(0, path="/weights/v0"), 0, True)] and streams == [0]

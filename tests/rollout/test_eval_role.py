@@ -17,6 +17,7 @@ from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox, eval_roo
 from pipelinerl_jax.rollout.evaluator import eval_slots, eval_view
 from pipelinerl_jax.run_config import base_config, validate
 from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.types import Completion
 
 
@@ -30,9 +31,11 @@ class _Engine:
         self.rank = {tuple(self.tok.encode_prompt(p.prompt)): (i, p)
                      for i, p in enumerate(problems)}
         self.version, self.calls, self.closed = -1, calls, False
+        self.serves = WeightVersion("full")
 
     def update_weights(self, weights, version, *, wait=True, timeout=None, allow_older=False):
-        with open(os.path.join(weights, "weights.txt")) as f:
+        assert weights.kind == "full" and weights.version == version  # the directory's message
+        with open(os.path.join(weights.path, "weights.txt")) as f:
             assert int(f.read()) == version
         self.calls.append(("update_weights", version))
         self.version = version
@@ -97,6 +100,7 @@ def test_a_stopped_role_leaves_what_it_did_not_evaluate(tmp_path):
     inbox = EvalInbox(eval_root(str(tmp_path)))
     outbox = EvalOutbox(inbox.root, _save_version, 1, 5)
     outbox.put(1, {"v": np.int32(1)})
+    outbox.wait()
     stop = threading.Event()
     stop.set()
     from pipelinerl_jax.rollout.eval_role import EvalLoop
@@ -114,9 +118,9 @@ def test_eval_view_of_sglang_samples_on_the_eval_servers():
     from pipelinerl_jax.rollout.sglang_config import validate_sglang_config
     validate_sglang_config(view.sglang, required=True, num_workers=1)  # as its engine checks
     assert view.rollout.num_workers == 1 and tuple(cfg.sglang.urls)[1].endswith("30001")
-    # LoRA: the evaluator is handed merged HF directories, installed as full weights
+    # LoRA: the evaluator is handed the adapters (its engine serves what the run publishes)
     cfg.lora.enabled = True
-    assert eval_view(cfg).lora.enabled is False and cfg.lora.enabled is True
+    assert eval_view(cfg).lora.enabled is True
 
 
 @pytest.mark.parametrize("eval_urls,eval_every,message", [

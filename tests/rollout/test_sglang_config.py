@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.run_config import base_config, resolve, validate
 from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config
 from pipelinerl_jax.testing.sglang_process import ServerProcess
@@ -170,7 +171,7 @@ def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
         assert engine.engine_id == "sglang-0" and engine.version == -1
         worker = RolloutWorker(cfg, engine, get_task(cfg.task), tok, client, workdir=workdir)
         assert not worker.can_admit()  # no weights yet
-        worker.on_weights(0, v0)  # the learner's notification: version 0 is in v0
+        worker.on_weights(WeightVersion("full").carrying(0, path=v0))  # version 0 is in v0
         deadline = 50
         while engine.version < 0 and deadline:
             deadline -= 1

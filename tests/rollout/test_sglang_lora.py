@@ -20,7 +20,10 @@ from pipelinerl_jax.models.peft_io import write_peft_dir
 from pipelinerl_jax.rollout.sglang_client import MissingEndpointError
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
 from pipelinerl_jax.testing.sglang_process import ServerProcess
+from pipelinerl_jax.transport.weight_version import WeightVersion
 from tests.rollout.conftest import request
+
+BASE_SHA = "0" * 64  # the servers' base (the fake servers do not check it)
 
 pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)
 
@@ -148,8 +151,8 @@ def test_the_test_server_loads_and_unloads_as_sglang_does(server, plain_server, 
 
 def _engine(server, tmp_path, **kw):
     return SGLangEngine([server.url], FAST, vocab_size=VOCAB, max_seq_len=64, version=-1,
-                        weights_dir=str(tmp_path / "weights"), model_config=MODEL, lora=SPEC,
-                        require_refit=True, **kw)
+                        weights_dir=str(tmp_path / "weights"), model_config=MODEL,
+                        serves=WeightVersion("lora", BASE_SHA, SPEC), require_refit=True, **kw)
 
 
 def test_engine_publishes_adapters_and_keeps_provenance_exact(server, peft_dirs, tmp_path):
@@ -210,7 +213,8 @@ def test_servers_that_cannot_take_adapters_are_refused_at_startup(server, plain_
         _engine(plain_server, tmp_path)
     with pytest.raises(MissingEndpointError, match="--max-lora-rank 4 < lora.rank 8"):
         SGLangEngine([server.url], FAST, vocab_size=VOCAB, max_seq_len=64, version=-1,
-                     lora=LoRASpec(8, 16.0), require_refit=True)
+                     serves=WeightVersion("lora", BASE_SHA, LoRASpec(8, 16.0)),
+                     require_refit=True)
     server.configure(lora_endpoints=False)  # sglang-jax: no /load_lora_adapter
     try:
         with pytest.raises(MissingEndpointError) as e:

@@ -18,13 +18,15 @@ import grpc
 import numpy as np
 
 from pipelinerl_jax.transport import weights
+from pipelinerl_jax.transport.weight_version import WeightVersion
 
 
 def good_frames(version: int, params: dict, publisher_id: str = "fake",
                 chunk_bytes: int = 4096) -> list[bytes]:
     """The frames the real publisher sends for `params` (with crc32 per chunk)."""
     with futures.ThreadPoolExecutor(1) as pool:
-        return list(weights._Version(version, publisher_id, params, chunk_bytes,
+        return list(weights._Version(WeightVersion("full").carrying(version, tensors=params),
+                                     publisher_id, chunk_bytes,
                                      pool).frames())
 
 

@@ -4,7 +4,7 @@ import socket
 import time
 
 from pipelinerl_jax.transport.security import RetryPolicy
-from pipelinerl_jax.transport.weights import WeightSubscriber
+from tests.transport.flat_weights import FlatSubscriber as WeightSubscriber
 
 
 def _dead_address() -> str:

@@ -55,7 +55,7 @@ def test_unknown_key_and_conflicts(tmp_path):
 
 def test_weight_sync_from_config():
     from pipelinerl_jax.transport.config import publisher_kwargs, subscriber_kwargs
-    from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+    from tests.transport.flat_weights import FlatPublisher as WeightPublisher, FlatSubscriber as WeightSubscriber
     cfg = transport_config()
     cfg.weights_port, cfg.weight_chunk_bytes = 0, 4096
     validate_transport_config(cfg, "transport")

@@ -26,7 +26,7 @@ from pipelinerl_jax.transport.queue_client import (
 from pipelinerl_jax.transport.queue_core import QueueCore
 from pipelinerl_jax.transport.queue_server import SERVICE, RolloutQueueServer
 from pipelinerl_jax.transport.security import load_token
-from pipelinerl_jax.transport.weights import WeightSubscriber
+from tests.transport.flat_weights import FlatSubscriber as WeightSubscriber
 from fake_weight_stream import ScriptedPublisher, good_frames, params_of
 from transport_testlib import HandlerContext, eventually, make_group, make_rollout
 
@@ -256,7 +256,7 @@ def test_issue23_4_standalone_server_reads_the_first_line_of_its_token_file(tmp_
 
 def _huge_header(gib: int = 900) -> bytes:
     n = gib << 30
-    h = pb.WeightHeader(version=7, publisher_id="hostile", total_bytes=n, num_chunks=1)
+    h = pb.WeightHeader(kind="full", version=7, publisher_id="hostile", total_bytes=n, num_chunks=1)
     h.tensors.add(name="a", dtype="uint8", shape=[n], offset=0, nbytes=n)
     return pb.WeightMessage(header=h).SerializeToString()
 
@@ -311,7 +311,7 @@ def _dir_version(version: int, path, tensors: bool = False) -> list:
         frames = good_frames(version, params_of(version), publisher_id="hostile")
     else:
         frames = good_frames(version, {"x": np.zeros(1, np.float32)}, publisher_id="hostile")
-        empty = pb.WeightHeader(version=version, publisher_id="hostile", total_bytes=0,
+        empty = pb.WeightHeader(kind="full", version=version, publisher_id="hostile", total_bytes=0,
                                 num_chunks=1, has_crc32=True)
         frames = [pb.WeightMessage(header=empty).SerializeToString(),
                   pb.WeightMessage(chunk=pb.WeightChunk(version=version, index=0, offset=0,

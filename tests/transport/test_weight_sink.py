@@ -5,32 +5,42 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import sharding
-from pipelinerl_jax.models import flat_params, from_pretrained, save_pretrained, tiny_config
+from pipelinerl_jax.models import (LoRASpec, flat_params, from_pretrained, save_pretrained,
+                                   tiny_config)
+from pipelinerl_jax.models.lora import base_identity
 from pipelinerl_jax.run_config import base_config
 from pipelinerl_jax.transport.queue_client import RetryPolicy
 from pipelinerl_jax.transport.versioned_dir import list_versions, version_dir
 from pipelinerl_jax.transport.weight_sink import (HFDirSink, StreamSink, hf_checkpoint_writer,
-                                                  make_weight_sink, weights_dir)
+                                                  make_weight_sink, read_weight_version,
+                                                  weights_dir)
+from pipelinerl_jax.transport.weight_version import DESCRIPTION_FILE, WeightVersion
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
 
 FAST = RetryPolicy(initial_s=0.01, max_s=0.1)
+SPEC = LoRASpec(2, 4.0, ("q_proj", "down_proj"))
 MODEL = tiny_config(vocab_size=40, hidden_size=32, intermediate_size=64, num_heads=2,
                     num_kv_heads=1, head_dim=16)
 
 
 class Received:
-    def __init__(self):
-        self.calls = []
+    """Records (version, arrays or path, policy version) and the messages' kinds."""
 
-    def __call__(self, version, params, policy_version):
-        if not isinstance(params, str):  # a directory publication hands over its path
-            params = {k: np.array(v) for k, v in params.items()}
-        self.calls.append((version, params, policy_version))
+    def __init__(self):
+        self.calls, self.kinds = [], []
+
+    def __call__(self, message):
+        params = message.path  # a directory publication hands over its path
+        if params is None:
+            params = {k: np.array(v) for k, v in message.tensors.items()}
+        self.calls.append((message.version, params, message.policy))
+        self.kinds.append((message.kind, message.base_sha256, message.lora))
 
 
 def _files(directory):
+    """The weights' files (the message's description beside them aside)."""
     return {name: open(os.path.join(directory, name), "rb").read()
-            for name in sorted(os.listdir(directory))}
+            for name in sorted(os.listdir(directory)) if name != DESCRIPTION_FILE}
 
 
 def test_stream_sink_ships_the_arrays_and_the_policy_version(tmp_path):
@@ -74,6 +84,10 @@ def test_hf_dir_sink_writes_what_save_pretrained_writes_and_announces_it(tmp_pat
     assert [(v, p, pv) for v, p, pv in got.calls] == [
         (v, os.path.abspath(version_dir(sink.root, v)), pv) for v, pv in ((0, 0), (1, 0), (2, 1))]
     assert list_versions(sink.root) == [1, 2]  # keep_weight_versions
+    assert set(got.kinds) == {("full", "", None)}
+    assert read_weight_version(version_dir(sink.root, 2), WeightVersion("lora", "x", SPEC)) \
+        == WeightVersion("full").carrying(2, path=os.path.abspath(version_dir(sink.root, 2)),
+                                          policy_version=1)  # what the directory says
     # The directory is byte for byte what save_pretrained of the learner's model writes.
     ref = str(tmp_path / "ref")
     save_pretrained(models[2], ref)
@@ -125,24 +139,30 @@ def test_hf_dir_sink_saves_through_a_given_callable(tmp_path):
 
 
 def test_hf_dir_sink_of_a_lora_run_writes_peft_adapter_directories(tmp_path):
-    from pipelinerl_jax.models import LoRASpec, adapter_params
+    from pipelinerl_jax.models import adapter_params
     from pipelinerl_jax.models.peft_io import read_peft_dir
     init = str(tmp_path / "init")
     save_pretrained(sharding.create_model(MODEL, seed=0), init)
     cfg = base_config()
     cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha = True, 2, 4.0
     cfg.lora.targets = "q_proj,down_proj"
-    spec = LoRASpec(2, 4.0, ("q_proj", "down_proj"))
+    spec = SPEC
     sink = make_weight_sink("hf_dir", cfg, str(tmp_path), publisher=WeightPublisher(),
                             init_checkpoint=init)
     adapters = adapter_params(sharding.create_model(MODEL, seed=1, lora=spec))
+    got = Received()
+    sub = WeightSubscriber(sink.publisher.address, got, retry=FAST)
     try:
         sink.publish(0, adapters)
+        assert sub.wait_for_version(0, 10)
     finally:
+        sub.close()
         sink.close()
+    # the message says what it carries: adapters of this base, of this rank/alpha/targets
+    assert got.kinds == [("lora", base_identity(init)["sha256"], spec)]
     back, spec_back = read_peft_dir(version_dir(sink.root, 0), MODEL)
     assert spec_back == spec and set(back) == set(adapters)
     for name, value in adapters.items():
         np.testing.assert_array_equal(back[name], value)
-    assert sorted(os.listdir(version_dir(sink.root, 0))) == ["adapter_config.json",
-                                                             "adapter_model.safetensors"]
+    assert sorted(os.listdir(version_dir(sink.root, 0))) == [
+        "adapter_config.json", "adapter_model.safetensors", DESCRIPTION_FILE]

@@ -12,9 +12,10 @@ import pytest
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import weights
+from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.transport.queue_client import RetryPolicy
 from pipelinerl_jax.transport.security import TLSConfig
-from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+from tests.transport.flat_weights import FlatPublisher as WeightPublisher, FlatSubscriber as WeightSubscriber
 from transport_testlib import eventually, publisher_main, self_signed_pair
 
 CTX = mp.get_context("spawn")
@@ -79,7 +80,7 @@ def test_policy_version_travels_in_the_header_not_the_tensors():
             with pytest.raises(ValueError, match="policy_version"):
                 pub.publish(7, _params(7), policy_version=bad)
     assert not rec.errors and rec.versions == [1, 5, 6] and rec.policy_versions == [1, 3, 0]
-    header = pb.WeightHeader(version=2)
+    header = pb.WeightHeader(kind="full", version=2)
     assert not header.HasField("policy_version")  # absent on the wire unless given
 
 
@@ -176,7 +177,7 @@ def test_token_and_tls_on_the_weight_service(tmp_path):
 
 
 def _header(total=10, chunks=2):
-    h = pb.WeightHeader(version=4, publisher_id="p", total_bytes=total, num_chunks=chunks,
+    h = pb.WeightHeader(kind="full", version=4, publisher_id="p", total_bytes=total, num_chunks=chunks,
                         has_crc32=True)
     h.tensors.add(name="w", dtype="uint8", shape=[total], offset=0, nbytes=total)
     return h
@@ -256,7 +257,8 @@ def test_many_subscribers_share_one_serialization():
 
 def test_hand_framed_chunks_parse_like_protobuf():
     params = {"a": np.arange(3000, dtype=np.float32), "b": np.ones(7, ml_dtypes.bfloat16)}
-    version = weights._Version(9, "pub", params, 4096, futures.ThreadPoolExecutor(1))
+    version = weights._Version(WeightVersion("full").carrying(9, tensors=params), "pub", 4096,
+                               futures.ThreadPoolExecutor(1))
     frames = list(version.frames())
     assert len(frames) == version.num_chunks + 2
     for raw in frames[1:-1]:
@@ -294,7 +296,7 @@ def test_a_directory_publication_carries_its_path_to_the_callback():
     assert got[0] == (3, "/shared/weights/v00000003", 1)
     assert got[1][0] == 4 and set(got[1][1]) == {"embed"} and got[1][2] == 4
     header = pb.WeightMessage.FromString(next(weights._Version(
-        5, "p", {}, 4096, None, path="/w/v00000005").frames())).header
+        WeightVersion("full").carrying(5, path="/w/v00000005"), "p", 4096, None).frames())).header
     assert header.path == "/w/v00000005" and not header.tensors and header.total_bytes == 0
 
 

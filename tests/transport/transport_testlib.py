@@ -89,7 +89,7 @@ def producer_main(address: str, producer: int, num_groups: int, group_size: int,
 def publisher_main(conn, chunk_bytes: int, address: str = "127.0.0.1:0") -> None:
     """A weight publisher process driven over a pipe: ("publish", version, n) publishes n
     float32 values filled with the version; the process is meant to be SIGKILLed."""
-    from pipelinerl_jax.transport.weights import WeightPublisher
+    from tests.transport.flat_weights import FlatPublisher as WeightPublisher
     pub = WeightPublisher(address, chunk_bytes=chunk_bytes)
     conn.send(pub.port)
     while True:
