@@ -167,12 +167,11 @@ class Attention(nnx.Module):
         q, k, v = self.project(x_btd, positions_bt, inv_freq)
 
         b, t = positions_bt.shape
-        if isinstance(cache_kv, PagedKVCache):  # one layer's pools and the batch's tables
+        if isinstance(cache_kv, PagedKVCache):  # one layer's pool and the batch's tables
             table = cache_kv.page_table
-            ck = write_pages(cache_kv.k[0], table, positions_bt, k)
-            cv = write_pages(cache_kv.v[0], table, positions_bt, v)
-            out = paged_attention(q, ck, cv, table, positions_bt)
-            return self.output(out), (ck, cv)
+            pool = write_pages(cache_kv.kv[0], table, positions_bt, k, v)
+            out = paged_attention(q, pool, table, positions_bt)
+            return self.output(out), pool
         if cache_kv is None:
             keys, values, key_pos = k, v, positions_bt
             new_cache = None
@@ -272,24 +271,22 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         inv_freq = rope_frequencies(cfg)
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(cfg.dtype)
-        new_k, new_v = [], []
+        new = []  # per layer: the pool (paged) or (keys, values)
         for i, layer in enumerate(self.layers):
             if cache is None:
                 layer_cache = None
             elif isinstance(cache, PagedKVCache):
-                layer_cache = PagedKVCache((cache.k[i],), (cache.v[i],), cache.page_table)
+                layer_cache = PagedKVCache((cache.kv[i],), cache.page_table)
             else:
                 layer_cache = (cache.k[i], cache.v[i])
             h, c = layer(h, positions, inv_freq, layer_cache, segment_ids)
-            if c is not None:
-                new_k.append(c[0])
-                new_v.append(c[1])
+            new.append(c)
         h = self.final_norm(h)
         if cache is None:
             return h, None
         if isinstance(cache, PagedKVCache):
-            return h, PagedKVCache(tuple(new_k), tuple(new_v), cache.page_table)
-        return h, KVCache(tuple(new_k), tuple(new_v))
+            return h, PagedKVCache(tuple(new), cache.page_table)
+        return h, KVCache(tuple(c[0] for c in new), tuple(c[1] for c in new))
 
     def logits_from_hidden(self, h_btd):
         dt = self.cfg.dtype

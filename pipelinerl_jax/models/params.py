@@ -79,7 +79,7 @@ def state_from_flat(like_state: nnx.State, flat: Mapping[str, object],
                               f"unknown {extra[:5]}")
     places = [None] * len(leaves) if shardings is None else [
         v.get_value() for v in jax.tree_util.tree_leaves(shardings, is_leaf=_is_var)]
-    values = []
+    values, targets = [], []  # host copies / cast device arrays, and where each goes
     for name, (_, var), place in zip(names, leaves, places):
         like = var.get_value()
         value = flat[name]
@@ -94,13 +94,31 @@ def state_from_flat(like_state: nnx.State, flat: Mapping[str, object],
         if place is None and isinstance(like, jax.Array):
             place = like.sharding
         if place is None:
-            arr = np.array(value, dtype=like.dtype)  # a host copy
-        elif isinstance(value, jax.Array):
-            arr = jax.device_put(jnp.array(value, dtype=like.dtype, copy=True), place)
+            values.append(np.array(value, dtype=like.dtype))  # a host copy
+        elif isinstance(value, jax.Array):  # (a cast stays in the sender's layout)
+            values.append(value if value.dtype == like.dtype else value.astype(like.dtype))
         else:
-            arr = jax.device_put(np.asarray(value).astype(like.dtype), place)
-        values.append(var.replace(arr))
-    return jax.tree_util.tree_unflatten(treedef, values)
+            values.append(np.asarray(value).astype(like.dtype, copy=False))
+        targets.append(place)
+    values = reshard(values, targets)
+    return jax.tree_util.tree_unflatten(
+        treedef, [var.replace(v) for (_, var), v in zip(leaves, values)])
+
+
+def reshard(values: list, targets: list) -> list:
+    """`values` (host arrays, or device arrays in any layout: the learner's) placed onto
+    `targets` (shardings; None: stay on the host) with ONE `device_put`, which moves each
+    shard straight to the devices the target layout puts it on; never aliasing a device
+    input (a learner may donate its buffers right after handing them over)."""
+    moved = [i for i, t in enumerate(targets) if t is not None]
+    if not moved:
+        return list(values)
+    out = list(values)
+    placed = jax.device_put([values[i] for i in moved], [targets[i] for i in moved],
+                            may_alias=False)
+    for i, v in zip(moved, placed):
+        out[i] = v
+    return out
 
 
 def _kind(dtype) -> str:

@@ -57,18 +57,17 @@ def _attention(attn, x_bd, pos_b, inv_freq, ck, cv, cache_len: int):
     return attn.output(out_bkgx.reshape(b, cfg.num_heads, cfg.head_dim)), ck, cv
 
 
-def _paged_attention(attn, x_bd, pos_b, inv_freq, pool_k, pool_v, tables_bn, n_pages: int,
-                     kernel: str = "reference"):
+def _paged_attention(attn, x_bd, pos_b, inv_freq, pool, tables_bn, n_pages: int,
+                     kernel="reference"):
     """`_attention` over a paged cache: the step's K/V go to each row's page for `pos_b`
     (rows whose position is past their table write nowhere), then `paged_attention` reads
     the first `n_pages` pages of each row through `kernel` (`models/paged_kernels.py`)."""
     cfg = attn.cfg
     b = x_bd.shape[0]
     q, k, v = attn.project(x_bd[:, None], pos_b[:, None], inv_freq)
-    pool_k = write_pages(pool_k, tables_bn, pos_b[:, None], k)
-    pool_v = write_pages(pool_v, tables_bn, pos_b[:, None], v)
-    out = paged_attention(q, pool_k, pool_v, tables_bn, pos_b[:, None], n_pages, kernel)
-    return attn.output(out[:, 0].reshape(b, cfg.num_heads, cfg.head_dim)), pool_k, pool_v
+    pool = write_pages(pool, tables_bn, pos_b[:, None], k, v)
+    out = paged_attention(q, pool, tables_bn, pos_b[:, None], n_pages, kernel)
+    return attn.output(out[:, 0].reshape(b, cfg.num_heads, cfg.head_dim)), pool
 
 
 def init_engine_cache(cfg, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -104,26 +103,26 @@ def decode_logits(model: Decoder, token_b, pos_b, cache: KVCache, cache_len: int
     Attention covers cache positions `< cache_len` (static), which must exceed every
     `pos_b` of a row whose output is used.
     With `tables_bn` (`[B, N]` page tables) `cache` holds page pools (`PagedKVCache` layout,
-    `[P, C, K, X]` per layer) and attention reads each row's first `ceil(cache_len / C)`
+    `[P, C, 2K', X']` per layer) and attention reads each row's first `ceil(cache_len / C)`
     pages through `kernel` (a resolved `engine.attention_kernel`, `models/paged_kernels.py`)."""
     cfg = model.cfg
     inv_freq = rope_frequencies(cfg)
     h_bd = jnp.take(model.embed[...], token_b, axis=0).astype(cfg.dtype)
-    new_k, new_v = [], []
+    new = []  # per layer: (keys, values), or the page pool
     for i, layer in enumerate(model.layers):
         if tables_bn is None:
             a, ck, cv = _attention(layer.attn, layer.input_norm(h_bd), pos_b, inv_freq,
                                    cache.k[i], cache.v[i], cache_len)
+            new.append((ck, cv))
         else:
-            page = cache.k[i].shape[1]
+            page = cache.kv[i].shape[1]
             n_pages = min(-(-cache_len // page), tables_bn.shape[1])
-            a, ck, cv = _paged_attention(layer.attn, layer.input_norm(h_bd), pos_b, inv_freq,
-                                         cache.k[i], cache.v[i], tables_bn, n_pages, kernel)
+            a, pool = _paged_attention(layer.attn, layer.input_norm(h_bd), pos_b, inv_freq,
+                                       cache.kv[i], tables_bn, n_pages, kernel)
+            new.append(pool)
         h_bd = h_bd + a.astype(h_bd.dtype)
         h_bd = h_bd + layer.mlp(layer.post_attn_norm(h_bd)).astype(h_bd.dtype)
-        new_k.append(ck)
-        new_v.append(cv)
     logits = model.logits_from_hidden(model.final_norm(h_bd))
-    return logits, cache._replace(k=tuple(new_k), v=tuple(new_v))
-
-
+    if tables_bn is not None:
+        return logits, cache._replace(kv=tuple(new))
+    return logits, cache._replace(k=tuple(c[0] for c in new), v=tuple(c[1] for c in new))

@@ -37,28 +37,34 @@ def kv_cache_bytes(model_cfg, max_slots: int, max_seq_len: int, dtype) -> int:
     return int(per_token * max_slots * max_seq_len * np.dtype(dtype).itemsize)
 
 
-def page_bytes(model_cfg, page_size: int, dtype) -> int:
-    """Bytes of one page in every layer (keys and values)."""
-    return kv_cache_bytes(model_cfg, 1, page_size, dtype)
+def page_bytes(model_cfg, page_size: int, dtype, layout: Optional[tuple] = None) -> int:
+    """Bytes of one page in every layer (keys and values); `layout`: the (kv heads, head_dim)
+    the pool stores (`engine_programs.paged_layout`; default the model's)."""
+    heads, width = layout or (model_cfg.num_kv_heads, model_cfg.head_dim)
+    per_token = 2 * model_cfg.num_layers * heads * width
+    return int(per_token * page_size * np.dtype(dtype).itemsize)
 
 
-def paged_cache_bytes(model_cfg, num_pages: int, page_size: int, dtype) -> int:
+def paged_cache_bytes(model_cfg, num_pages: int, page_size: int, dtype,
+                      layout: Optional[tuple] = None) -> int:
     """Bytes of the paged engine cache (`init_paged_cache`'s pools)."""
-    return num_pages * page_bytes(model_cfg, page_size, dtype)
+    return num_pages * page_bytes(model_cfg, page_size, dtype, layout)
 
 
 def pool_pages_for_memory(model_cfg, page_size: int, dtype, fraction: float,
                           devices: Sequence, prefix: str = "engine",
-                          available: Optional[int] = None) -> int:
-    """Pages in `fraction` of the memory the weights leave free on `devices` (`available`
-    overrides the measurement); `ConfigError` when it cannot be measured or holds no page."""
+                          available: Optional[int] = None,
+                          layout: Optional[tuple] = None) -> int:
+    """Pages (of `layout`, `page_bytes`) in `fraction` of the memory the weights leave free
+    on `devices` (`available` overrides the measurement); `ConfigError` when it cannot be
+    measured or holds no page."""
     free = free_bytes(devices) if available is None else available
     key = f"{prefix}.kv_memory_fraction"
     if free is None:
         raise cfg_lib.ConfigError(key, f"the free memory of {devices[0].platform} devices "
                                        f"cannot be measured; set {prefix}.kv_budget_tokens")
     pages = int(fraction * (free - weight_bytes(model_cfg, dtype))
-                // page_bytes(model_cfg, page_size, dtype))
+                // page_bytes(model_cfg, page_size, dtype, layout))
     if pages < 1:
         raise cfg_lib.ConfigError(key, f"{fraction} of the {free / GiB:.2f} GiB free after the "
                                        f"weights holds no page of {page_size} tokens")
@@ -96,12 +102,13 @@ def free_bytes(devices: Sequence) -> Optional[int]:
 
 def check_fits(model_cfg, max_slots: int, max_seq_len: int, dtype, devices: Sequence,
                prefix: str = "engine", available: Optional[int] = None,
-               pages: Optional[tuple] = None, pool_key: str = "kv_budget_tokens") -> dict:
+               pages: Optional[tuple] = None, pool_key: str = "kv_budget_tokens",
+               layout: Optional[tuple] = None) -> dict:
     """Raises `ConfigError` when the dense KV cache (or, with `pages=(num_pages, page_size)`,
     the page pool, sized by key `pool_key`) plus the weights would not fit in `(1 - HEADROOM)` of the devices' free
     memory (`available` overrides the measurement); returns the figures otherwise."""
     kv = (kv_cache_bytes(model_cfg, max_slots, max_seq_len, dtype) if pages is None
-          else paged_cache_bytes(model_cfg, *pages, dtype))
+          else paged_cache_bytes(model_cfg, *pages, dtype, layout))
     weights = weight_bytes(model_cfg, dtype)
     free = free_bytes(devices) if available is None else available
     out = {"kv_cache_bytes": kv, "weight_bytes": weights, "free_bytes": free}
@@ -109,7 +116,7 @@ def check_fits(model_cfg, max_slots: int, max_seq_len: int, dtype, devices: Sequ
         return out
     if pages is not None:
         fit = int(max(0.0, (1 - HEADROOM) * free - weights)
-                  // page_bytes(model_cfg, pages[1], dtype))
+                  // page_bytes(model_cfg, pages[1], dtype, layout))
         raise cfg_lib.ConfigError(
             f"{prefix}.{pool_key}", f"the KV page pool ({pages[0]} pages of {pages[1]} "
             f"tokens, {prefix}.dtype={np.dtype(dtype).name}: {kv / GiB:.2f} GiB) plus the "

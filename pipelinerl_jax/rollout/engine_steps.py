@@ -121,7 +121,7 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         model = nnx.merge(graphdef, params)
         b, t = ids_bt.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        fresh = init_cache(model_cfg, b, t, dtype=cache.k[0].dtype)
+        fresh = init_cache(model_cfg, b, t, dtype=jax.tree.leaves(cache)[0].dtype)
         h_btd, fresh = model.hidden_states(ids_bt, positions, fresh)
         h_bd = h_btd[jnp.arange(b), lengths_b - 1]
         logits_bv = model.logits_from_hidden(h_bd)
@@ -131,9 +131,9 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         if tables_bn is None:
             cache = write_rows(cache, fresh, slot_idx_b)
         else:  # padding rows' tables hold no page: their writes are dropped
-            cache = cache._replace(
-                k=tuple(write_pages(p, tables_bn, positions, f) for p, f in zip(cache.k, fresh.k)),
-                v=tuple(write_pages(p, tables_bn, positions, f) for p, f in zip(cache.v, fresh.v)))
+            cache = cache._replace(kv=tuple(
+                write_pages(pool, tables_bn, positions, k, v)
+                for pool, k, v in zip(cache.kv, fresh.k, fresh.v)))
 
         slots = admitted(slots, slot_idx_b, token_b, lengths_b, done_b, rows)
         return cache, slots, (token_b, logp_b, done_b)
@@ -149,7 +149,7 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         positions = starts_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         h_btd, paged = model.hidden_states(ids_bt, positions,
                                            cache._replace(page_table=tables_bn))
-        cache = cache._replace(k=paged.k, v=paged.v)
+        cache = cache._replace(kv=paged.kv)
         logits_bv = model.logits_from_hidden(h_btd[jnp.arange(b), lengths_b - 1])
         ends_b = starts_b + lengths_b
         token_b, logp_b = sample(logits_bv, rows, ends_b, logprob_mode)
@@ -214,7 +214,7 @@ def step_fns(model_cfg: ModelConfig, max_seq_len: int, steps: int, logprob_mode:
         `token_s[i]` at position `pos_s[i]` (out-of-range slots are padding)."""
         def copy(pool):
             return pool.at[dst_s].set(jnp.take(pool, src_s, axis=0, mode="clip"), mode="drop")
-        cache = cache._replace(k=tuple(map(copy, cache.k)), v=tuple(map(copy, cache.v)))
+        cache = cache._replace(kv=tuple(map(copy, cache.kv)))
 
         def scatter(dst, src):
             return dst.at[slot_idx_s].set(src, mode="drop")

@@ -1,4 +1,5 @@
-"""`JaxEngine`: the embedded sampler — continuous batching over a dense KV cache, in JAX.
+"""`JaxEngine`: the embedded sampler — continuous batching over a dense or paged KV cache, in
+JAX, on the mesh of its role's accelerators (`engine_programs.py`).
 
 Scheduling: each `step()` applies a pending weight update, admits queued samples into free
 slots while the KV budget allows (batched prefill), and runs one decode chunk of up to
@@ -19,7 +20,8 @@ many tokens of KV the device could hold); 'paged' holds a pool of `kv_budget_tok
 (`models/paged_attention.py`, `rollout/page_allocator.py`): admission by free pages, pages
 allocated as a sample grows, preemption with recompute when the pool runs dry. Paged decode
 attention runs through `engine.attention_kernel` (`models/paged_kernels.py`: a Pallas kernel
-on one TPU or GPU under 'auto', the pure-JAX reference on CPU).
+on TPU (per shard of the engine mesh) or one GPU under 'auto', the pure-JAX reference on
+CPU).
 
 `engine_config` / `validate_engine_config` own the run config's `engine` section and
 `make_jax_engine` builds a rollout worker's engine: the 'jax' row of `rollout/factory.py`.
@@ -31,10 +33,10 @@ import threading
 from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
@@ -44,14 +46,12 @@ from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models import lora as lora_lib
 from pipelinerl_jax.models.lora import LoRASpec, adapter_shapes, merge_lora
 from pipelinerl_jax.models import paged_kernels
-from pipelinerl_jax.models.paged_attention import init_paged_cache
 from pipelinerl_jax.models.params import WeightsMismatch
-from pipelinerl_jax.rollout import engine_memory, engine_steps
-from pipelinerl_jax.rollout.decode_step import init_engine_cache
+from pipelinerl_jax.rollout import engine_memory, engine_programs, engine_steps
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
 from pipelinerl_jax.rollout.jax_scheduler import SlotScheduler, buckets
-from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
+from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES
 from pipelinerl_jax.types import Completion, GenerationRequest
 
@@ -92,6 +92,9 @@ def engine_config() -> ml_collections.ConfigDict:
     c.kv_policy = "keep"  # 'keep' (PipelineRL) | 'recompute' (AReaL) on a weight update
     c.logprob_mode = "sampled"  # 'sampled' (truncated, renormalised) | 'tempered'
     c.dtype = "float32"  # parameter and compute dtype of the engine's copy of the model
+    # the engine mesh's tensor axis (heads, MLP and the KV cache split over it, as the
+    # learner's rules say; engine_programs.py); 0 = every device the role is given
+    c.tensor_parallel = 0
     c.max_stop_tokens = 8  # stop ids per request
     c.seed = 0  # seeds the per-request seeds of requests that give none
     return c
@@ -110,6 +113,7 @@ def validate_engine_config(cfg, prefix: str = "engine") -> None:
     cfg_lib.positive_int(root, k("kv_budget_tokens"), allow_zero=True)
     cfg_lib.positive_int(root, k("refill_threshold"), allow_zero=True)
     cfg_lib.positive_int(root, k("seed"), allow_zero=True)
+    cfg_lib.positive_int(root, k("tensor_parallel"), allow_zero=True)
     max_seq_len = cfg["max_seq_len"]
     if max_seq_len < 2:
         raise cfg_lib.ConfigError(k("max_seq_len"), f"must be >= 2, got {max_seq_len}")
@@ -195,39 +199,30 @@ class JaxEngine(InferenceEngine):
         self.max_seq_len = cfg.max_seq_len
         self.kv_budget = cfg.kv_budget_tokens or cfg.max_slots * cfg.max_seq_len
 
-        # ---- device state: parameters, KV cache, per-slot state
+        # ---- device state: parameters, KV cache, per-slot state, on the engine mesh
+        # (`engine_programs.py`: placement, and the programs every step runs)
         self._mesh = mesh if mesh is not None else sharding_lib.make_mesh((1, 1, 1))
         devices = list(self._mesh.devices.flat)
         self.page_size = cfg.page_size if cfg.kv_layout == "paged" else 0
-        pool = None
+        pool, layout = None, None
         if self.page_size:  # the pool: kv_budget_tokens in whole pages, or a memory share
+            layout = engine_programs.paged_layout(self.model_config, cfg, self._mesh)[1:]
             num_pages = (engine_memory.pool_pages_for_memory(
-                self.model_config, self.page_size, self.dtype, cfg.kv_memory_fraction, devices)
+                self.model_config, self.page_size, self.dtype, cfg.kv_memory_fraction, devices,
+                layout=layout)
                 if cfg.kv_memory_fraction else -(-self.kv_budget // self.page_size))
             self.kv_budget = num_pages * self.page_size
             pool = (num_pages, self.page_size)
         self.memory = engine_memory.check_fits(  # before allocating: a clear error, no OOM
             self.model_config, cfg.max_slots, cfg.max_seq_len, self.dtype, devices,
             pages=pool, pool_key="kv_memory_fraction" if cfg.kv_memory_fraction
-            else "kv_budget_tokens")
-        abstract = nnx.eval_shape(lambda: Decoder(self.model_config, nnx.Rngs(0)))
-        self._abstract_state = nnx.split(abstract)[1]
-        self._param_shardings = sharding_lib.state_shardings(self._abstract_state, self._mesh)
-        replicated = NamedSharding(self._mesh, P())
-        cache_sharding = NamedSharding(  # engine layout: [slots, kv heads, ...]; paged:
-            self._mesh, sharding_lib.logical_to_spec(  # [pages, page, kv heads, head_dim]
-                (None, None, "kv_heads", None) if pool else (None, "kv_heads", None, None)))
+            else "kv_budget_tokens", layout=layout)
+        self.programs = engine_programs.engine_programs(
+            self.model_config, cfg, self._mesh, num_pages=pool[0] if pool else None)
+        self._abstract_state = self.programs.params
+        self._param_shardings = self.programs.param_shardings
         # the paged decode attention's implementation (`paged_kernels.IMPLS`; dense: unused)
-        self.attention_impl = "reference"
-        if pool:
-            try:
-                self.attention_impl = paged_kernels.resolve_attention_kernel(
-                    cfg.attention_kernel, devices[0].platform, len(devices))
-            except ValueError as e:
-                raise cfg_lib.ConfigError("engine.attention_kernel", str(e)) from None
-        fns = engine_steps.step_fns(self.model_config, cfg.max_seq_len, cfg.steps_per_sync,
-                                    cfg.logprob_mode, cache_sharding, replicated,
-                                    self.page_size, self.attention_impl)
+        self.attention_impl = self.programs.kernel.impl
         initial = self._materialise(model)
         # LoRA (docs/lora.md): `model` is the frozen base, kept; a version is its adapters,
         # merged into this copy of the base (in float32) once per version by `update_weights`.
@@ -235,15 +230,14 @@ class JaxEngine(InferenceEngine):
         self._base = initial if lora is not None else None
         self._adapter_shapes = (adapter_shapes(param_shapes(self._abstract_state), lora)
                                 if lora is not None else None)
-        if pool:
-            cache = init_paged_cache(self.model_config, *pool)
-            self.pages = PageAllocator(*pool, cfg.max_slots,
-                                       pages_for(cfg.max_seq_len, self.page_size))
-        else:
-            cache = init_engine_cache(self.model_config, cfg.max_slots, cfg.max_seq_len)
-            self.pages = None
+        self.pages = (PageAllocator(*pool, cfg.max_slots, self.programs.max_pages)
+                      if pool else None)
+        zeros = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                             self.programs.cache),
+                        out_shardings=self.programs.cache_sharding)
+        replicated = self.programs.replicated
         self.scheduler = SlotScheduler(
-            fns, initial, jax.device_put(cache, cache_sharding),
+            self.programs.fns, initial, zeros(),  # (the cache born in its shardings)
             jax.device_put(engine_steps.empty_slots(cfg.max_slots, cfg.max_stop_tokens),
                            replicated),
             num_slots=cfg.max_slots, max_seq_len=cfg.max_seq_len, kv_budget=self.kv_budget,
@@ -445,5 +439,6 @@ def make_jax_engine(cfg, init_checkpoint: str, index: int, workdir: str) -> JaxE
     usable weights until the learner's first version arrives)."""
     model = from_pretrained(init_checkpoint, dtype=cfg.engine.dtype)
     lora = lora_lib.lora_spec(cfg)
+    mesh = engine_programs.engine_mesh(cfg.engine.tensor_parallel)  # the role's devices
     return JaxEngine(model, cfg.engine, version=-1, engine_id=f"jax-{index}", start=True,
-                     lora=lora)
+                     lora=lora, mesh=mesh)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from pipelinerl_jax.models import (Decoder, PagedKVCache, init_cache, init_paged_cache,
                                    paged_attention, tiny_config)
-from pipelinerl_jax.models.paged_attention import gather_pages, write_pages
+from pipelinerl_jax.models.paged_attention import gather_pages, kv_pool, split_kv, write_pages
 
 
 def _model(model_type, seed=0):
@@ -85,30 +85,33 @@ def test_pages_beyond_a_row_and_other_rows_pages_are_never_read():
     pool_v = jnp.asarray(rng.normal(size=pool_k.shape), jnp.float32)
     q = jnp.asarray(rng.normal(size=(2, 1, cfg.num_heads, cfg.head_dim)), jnp.float32)
     positions = jnp.asarray([[5], [9]], jnp.int32)  # row 0 sees pages 7, 2[:2]
-    out = paged_attention(q, pool_k, pool_v, tables, positions)
+    out = paged_attention(q, kv_pool(pool_k, pool_v), tables, positions)
     mask = np.ones((num_pages, c), bool)  # True = may be scribbled on for row 0
     mask[7, :] = False
     mask[2, :2] = False
     junk_k = jnp.where(mask[..., None, None], 100.0, pool_k)
     junk_v = jnp.where(mask[..., None, None], -100.0, pool_v)
-    out2 = paged_attention(q, junk_k, junk_v, tables, positions)
+    out2 = paged_attention(q, kv_pool(junk_k, junk_v), tables, positions)
     np.testing.assert_allclose(out2[0], out[0], atol=1e-6)
     assert np.abs(np.asarray(out2[1] - out[1])).max() > 1e-2  # row 1's pages did change
-    out3 = paged_attention(q, pool_k.at[2, 1].add(1.0), pool_v, tables, positions)
+    out3 = paged_attention(q, kv_pool(pool_k.at[2, 1].add(1.0), pool_v), tables, positions)
     assert np.abs(np.asarray(out3[0] - out[0])).max() > 1e-4
 
 
 def test_writes_to_unheld_pages_are_dropped_and_gather_restores_positions():
     cfg = tiny_config()
-    pool = jnp.zeros((5, 2, cfg.num_kv_heads, cfg.head_dim))
+    pool = jnp.zeros((5, 2, 2 * cfg.num_kv_heads, cfg.head_dim))
     table = jnp.asarray([[3, 1, 5]], jnp.int32)  # third page not held (5 = out of range)
     pos = jnp.arange(6, dtype=jnp.int32)[None]
     new = jnp.broadcast_to((jnp.arange(6.0) + 1)[None, :, None, None],
                            (1, 6, cfg.num_kv_heads, cfg.head_dim))
-    pool = write_pages(pool, table, pos, new)
-    view = gather_pages(pool, table, 2)
-    np.testing.assert_array_equal(view[0, :, 0, 0], [1, 2, 3, 4])
-    assert float(pool[3, 0, 0, 0]) == 1 and float(pool[1, 1, 0, 0]) == 4
+    pool = write_pages(pool, table, pos, new, -new)
+    keys, values = split_kv(gather_pages(pool, table, 2), cfg.head_dim)
+    np.testing.assert_array_equal(keys[0, :, 0, 0], [1, 2, 3, 4])
+    np.testing.assert_array_equal(values[0, :, 1, 0], [-1, -2, -3, -4])
+    # keys and values interleave on the head axis: k0 v0 k1 v1
+    assert float(pool[3, 0, 0, 0]) == 1 and float(pool[3, 0, 1, 0]) == -1
+    assert float(pool[1, 1, 2, 0]) == 4 and float(pool[1, 1, 3, 0]) == -4
     assert float(jnp.abs(pool[jnp.asarray([0, 2, 4])]).sum()) == 0  # nothing else was written
 
 
@@ -133,11 +136,14 @@ def _oracle_attention(q, pool_k, pool_v, tables, positions):
 
 
 @pytest.mark.parametrize("t", [1, 3])
-def test_reference_attention_matches_a_plain_oracle(t):
+@pytest.mark.parametrize("stored", [(None, None), (14, 128)], ids=["model", "replicated"])
+def test_reference_attention_matches_a_plain_oracle(t, stored):
     """The reference (its gathered view laid out as the dense engine's cache) against a
     float64 loop over each row's logical keys: decode (T = 1) and T > 1 (the extend program),
     seven query heads per kv head (the Qwen2.5-0.5B ratio), ragged positions over shuffled
-    pages, pages past a row's position full of junk."""
+    pages, pages past a row's position full of junk; the pool storing the model's 2 kv heads,
+    or each one 7 times (a tensor axis of 14 > K, one copy per shard) with head_dim padded
+    to the TPU kernel's 128 lanes."""
     rng = np.random.default_rng(t)
     b, c, n, k_heads, g, x = 4, 4, 3, 2, 7, 8
     num_pages = b * n + 2
@@ -147,25 +153,25 @@ def test_reference_attention_matches_a_plain_oracle(t):
     q = (3 * rng.normal(size=(b, t, k_heads * g, x))).astype(np.float32)
     last = np.array([t - 1, 5, 9, n * c - 1])  # each row's last query position
     positions = (last[:, None] - np.arange(t)[::-1][None, :]).astype(np.int32)
-    out = jax.jit(paged_attention)(q, pool_k, pool_v, jnp.asarray(tables),
-                                   jnp.asarray(positions))
+    pool = kv_pool(jnp.asarray(pool_k), jnp.asarray(pool_v), *stored)
+    out = jax.jit(paged_attention)(q, pool, jnp.asarray(tables), jnp.asarray(positions))
     np.testing.assert_allclose(out, _oracle_attention(q, pool_k, pool_v, tables, positions),
                                atol=2e-6, rtol=1e-5)
 
 
 def test_reference_decode_moves_nothing_but_the_gathered_pages():
-    """What XLA:CPU emits for the reference decode (T = 1, the engine's per-layer call): the
-    only transposes are the two fused into the gathers of keys and values (the view is built
-    in the layout the products read); queries, probabilities and outputs are not moved.
-    The reference before this layout emitted six per call (hardware-independent, XLA's own
-    program; JAX 0.10.2)."""
+    """What XLA:CPU emits for the reference decode (T = 1, the engine's per-layer call): one
+    gather of the rows' pages (keys and values are one pool, read in one pass) and two
+    transposes, its key and value halves into the layouts the products read; queries,
+    probabilities and outputs are not moved (hardware-independent, XLA's own program; JAX
+    0.10.2)."""
     rng = np.random.default_rng(0)
     num_pages, c, k_heads, x, b, n = 33, 16, 2, 64, 8, 4
-    pool = jnp.asarray(rng.normal(size=(num_pages, c, k_heads, x)), jnp.float32)
+    pool = jnp.asarray(rng.normal(size=(num_pages, c, 2 * k_heads, x)), jnp.float32)
     tables = jnp.asarray(_random_tables(rng, b, n, num_pages))
     q = jnp.asarray(rng.normal(size=(b, 1, 14, x)), jnp.float32)
     positions = jnp.full((b, 1), n * c - 1, jnp.int32)
-    hlo = jax.jit(paged_attention).lower(q, pool, pool, tables, positions).compile().as_text()
+    hlo = jax.jit(paged_attention).lower(q, pool, tables, positions).compile().as_text()
     ops = [line for line in hlo.splitlines() if " transpose(" in line]
     assert len(ops) == 2, "\n".join(ops)
-    assert hlo.count(" gather(") == 2 and hlo.count(" dot(") == 2
+    assert hlo.count(" gather(") == 1 and hlo.count(" dot(") == 2

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pipelinerl_jax import sharding
 from pipelinerl_jax.models import Decoder, init_cache, tiny_config
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.types import GenerationRequest, SamplingParams
@@ -39,8 +40,12 @@ def run_until(eng, n):
     return out
 
 
-def make_engine(model, start=False, **overrides):
-    return JaxEngine(model, {**SHAPE, **overrides}, start=start)
+def make_engine(model, start=False, mesh=None, **overrides):
+    """An engine of the test shape; `mesh`: a `(data, fsdp, tensor)` shape over the first of
+    the 8 test devices (None: one device)."""
+    if mesh is not None:
+        mesh = sharding.make_mesh(mesh)
+    return JaxEngine(model, {**SHAPE, **overrides}, start=start, mesh=mesh)
 
 
 @pytest.fixture(scope="session")

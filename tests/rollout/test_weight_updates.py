@@ -25,9 +25,13 @@ def check_recompute(c, models, reference, temperature=1.0):
 
 
 # Provenance must hold on both KV layouts (the paged one with a pool as large as the dense
-# cache: no preemption here; tests/rollout/test_paged_engine.py covers preemption).
-LAYOUTS = pytest.mark.parametrize("layout", [{}, {"kv_layout": "paged", "page_size": 8}],
-                                  ids=["dense", "paged"])
+# cache: no preemption here; tests/rollout/test_paged_engine.py covers preemption), on one
+# device and on an engine mesh (tensor axis 4 > the model's 2 kv heads: weights and pool
+# split over 4 devices, each kv head stored twice; data and fsdp 2 on the dense one).
+LAYOUTS = pytest.mark.parametrize("layout", [
+    {}, {"kv_layout": "paged", "page_size": 8},
+    {"mesh": (2, 2, 2)}, {"kv_layout": "paged", "page_size": 8, "mesh": (1, 1, 4)}],
+    ids=["dense", "paged", "dense-mesh8", "paged-mesh4"])
 
 
 @LAYOUTS
