@@ -8,8 +8,10 @@ Numbers are Google Cloud's published per-chip specifications (dense bf16, no spa
     v5p   459 TFLOP/s, 95 GB HBM2e,  2,765 GB/s   https://cloud.google.com/tpu/docs/v5p
     v6e   918 TFLOP/s, 32 GB HBM,    1,640 GB/s   https://cloud.google.com/tpu/docs/v6e
 
-Capacities are taken at the smaller reading (GB = 1e9 bytes where the page says GB), so a
-program judged to fit has that much margin; the runtime reserves a little more for itself.
+Capacities are read as the pages write them (GB = 1e9 bytes), below what libtpu's compiler
+says a chip can give a program (15.75 GiB = 16.9e9 bytes on a v5e), so a program judged to
+fit here has that margin. A program the compiler itself finds too big fails to compile with
+its own figures, which the check reports instead (`check.out_of_memory`).
 
 A topology name is `<chip>:<shape>` as `jax.experimental.topologies.get_topology_desc`
 takes it: `v5e:2x2` (4 chips), `v5e:2x4` (8), `v5p:2x2x1` (4 chips = a v5p-8: v5p slices
