@@ -81,8 +81,9 @@ def test_a_program_that_does_not_fit_fails_the_command_naming_the_key(v5e_2x2, t
     summary = json.loads(out.read_text())
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == summary
     decode = summary["programs"]["engine/decode[rows=64,len=256]"]
-    assert decode["compiled"] and not decode["fits"]
-    assert decode["hbm_bytes_per_chip"] > 20e9
+    # XLA:TPU itself refuses to compile it, naming what it needs: the check reports that
+    assert decode["out_of_memory"] and not decode["compiled"] and not decode["fits"]
+    assert decode["hbm_bytes_per_chip"] > decode["hbm_capacity_bytes"]
 
 
 @pytest.mark.slow  # starts the entry point
