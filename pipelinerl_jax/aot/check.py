@@ -12,7 +12,8 @@ read what the compiler reports for one chip of the SPMD program:
     roofline_s         max(flops / peak bf16 FLOP/s, bytes_accessed / HBM bandwidth)
 
 A decode chunk is a `while_loop`: XLA's cost analysis counts its body once, so its FLOPs and
-bytes are one decode step's and `roofline_s` is per step (`per_call_s` = steps x that). The
+bytes are one decode step's and `roofline_s` is per step (`per_call_s` = steps x that); the
+same for the train step's scan over micro-batches (`per_call_s` = chunks x that). The
 roofline is a lower bound from the compiler's cost model, not a measurement: it ignores
 collectives' latency, kernel efficiency and the host.
 """
@@ -60,8 +61,9 @@ class Result:
                    chip=self.chip, chips=self.chips,
                    memory=self.memory, work=self.work, mosaic_calls=self.mosaic_calls,
                    compile_s=round(self.compile_s, 1))
-        if "steps" in self.work:
-            out["per_call_s"] = self.roofline_s * self.work["steps"]
+        loops = self.work.get("steps") or self.work.get("chunks")
+        if loops:  # a loop's body is counted once (module docstring)
+            out["per_call_s"] = self.roofline_s * loops
         if self.error:
             out["error"] = self.error
         return out
@@ -169,8 +171,9 @@ def describe(r: Result) -> str:
     m = r.memory
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in m.items() if v)
     verdict = "fits" if r.fits else "DOES NOT FIT"
-    steps = r.work.get("steps")
-    per = f" per step ({steps} steps a call)" if steps else ""
+    steps, chunks = r.work.get("steps"), r.work.get("chunks")
+    per = (f" per step ({steps} steps a call)" if steps else
+           f" per micro-batch ({chunks} a step)" if chunks and chunks > 1 else "")
     return (f"{head}: compiled in {r.compile_s:.0f} s; HBM/chip {r.hbm_bytes_per_chip / gib:.2f}"
             f" of {r.hbm_capacity_bytes / gib:.2f} GiB ({parts}) -> {verdict}\n"
             f"    {r.flops / 1e12:.3f} TFLOP, {r.bytes_accessed / 1e9:.3f} GB accessed{per}; "

@@ -5,7 +5,8 @@ Estimates (compiler-cost rooflines, not measurements):
 
     decode_tokens_per_s_per_chip   rows / decode step roofline / engine chips, at the largest
                                    attention-length bucket with every slot running;
-    train_step_s                   the train step's roofline at its largest row bucket;
+    train_step_s                   the train step's roofline at its largest row bucket (one
+                                   micro-batch's, counted once by XLA, times their number);
     sim_costs                      what `sim/` takes (`sim/compiled.py`): one decode step at
                                    two context lengths, prefill per token, train per token.
 """
@@ -51,34 +52,38 @@ def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
     failures = check.failures(results)
     for f in failures:
         log(f"FAIL: {f}")
+    programs_out = {r.name: r.summary() for r in results}
     return {"topology": topology, "sampler_topology": sampler_topology or topology,
             "chips": {"learner": vars(chip), "sampler": vars(s_chip)},
-            "programs": {r.name: r.summary() for r in results},
-            "estimates": estimates(results), "failures": failures}
+            "programs": programs_out, "estimates": estimates(programs_out),
+            "failures": failures}
 
 
-def estimates(results) -> dict:
-    """The headline numbers (module docstring); None where a program is missing."""
-    by = {r.name: r for r in results if r.compiled}
-    decode = sorted((r for r in by.values() if r.name.startswith("engine/decode")),
-                    key=lambda r: r.work["cache_len"])
-    prefill = [r for r in by.values() if r.name.startswith("engine/prefill")]
-    train = by.get("learner/train_step")
+def estimates(programs: dict) -> dict:
+    """The headline numbers from per-program summaries (`Result.summary()`, as in the JSON);
+    None where a program is missing. XLA's cost analysis counts a loop's body once: a decode
+    chunk's numbers are one step's, a train step's one micro-batch's (plus the update), so
+    the step is `chunks` (minibatches x micro-batches) times its roofline."""
+    ok = {k: v for k, v in programs.items() if v["compiled"]}
+    decode = sorted((v for k, v in ok.items() if k.startswith("engine/decode")),
+                    key=lambda v: v["work"]["cache_len"])
+    prefill = [v for k, v in ok.items() if k.startswith("engine/prefill")]
+    train = ok.get("learner/train_step")
     out = {"decode_tokens_per_s_per_chip": None, "train_step_s": None, "sim_costs": {}}
     costs = out["sim_costs"]
     if decode:
         top = decode[-1]
-        out["decode_tokens_per_s_per_chip"] = (top.work["rows"] / top.roofline_s / top.chips
-                                               if top.roofline_s else None)
-        costs["decode"] = [dict(rows=r.work["rows"], cache_len=r.work["cache_len"],
-                                step_s=r.roofline_s, flops=r.flops,
-                                bytes_accessed=r.bytes_accessed) for r in decode]
-        costs["engine_chips"] = top.chips
+        out["decode_tokens_per_s_per_chip"] = (top["work"]["rows"] / top["roofline_s"]
+                                               / top["chips"] if top["roofline_s"] else None)
+        costs["decode"] = [dict(rows=v["work"]["rows"], cache_len=v["work"]["cache_len"],
+                                step_s=v["roofline_s"], flops=v["flops"],
+                                bytes_accessed=v["bytes_accessed"]) for v in decode]
+        costs["engine_chips"] = top["chips"]
     if prefill:
-        p = max(prefill, key=lambda r: r.work["tokens"])
-        costs["prefill_per_token_s"] = p.roofline_s / p.work["tokens"]
+        p = max(prefill, key=lambda v: v["work"]["tokens"])
+        costs["prefill_per_token_s"] = p["roofline_s"] / p["work"]["tokens"]
     if train:
-        out["train_step_s"] = train.roofline_s
-        costs["train_per_token_s"] = train.roofline_s / train.work["tokens"]
-        costs["learner_chips"] = train.chips
+        out["train_step_s"] = train["roofline_s"] * train["work"]["chunks"]
+        costs["train_per_token_s"] = out["train_step_s"] / train["work"]["tokens"]
+        costs["learner_chips"] = train["chips"]
     return out

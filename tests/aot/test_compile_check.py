@@ -44,7 +44,7 @@ def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
     hlo = (tmp_path / "engine_decode_rows=64,len=256_.hlo.txt").read_text()
     assert 'custom_call_target="tpu_custom_call"' in hlo
     est = summary["estimates"]
-    assert est["train_step_s"] == train["roofline_s"]
+    assert est["train_step_s"] == train["roofline_s"] * train["work"]["chunks"]
     assert est["decode_tokens_per_s_per_chip"] == pytest.approx(64 / decode["roofline_s"])
 
 
