@@ -43,6 +43,9 @@ setup(
             "tensorboardX>=2.6,<3",
             "peft>=0.21.2,<0.22",  # loads our exported LoRA adapters in the parity test
         ],
+        # The TPU runtime and compiler (libtpu from PyPI): runs on a TPU VM, and on any CPU
+        # host compiles a run's programs for a TPU topology (experiments/compile_check.py).
+        "tpu": ["jax[tpu]==0.10.2"],
         # GPU hosts that launch SGLang servers; never needed on CPU.
         "sglang": ["sglang[all]>=0.5"],
     },

@@ -204,7 +204,7 @@ def _validate_episode_budget(cfg, task, tok, context_key: str) -> None:
                               f"of {cfg.task.name!r} ({need} tokens with its prompt)")
 
 
-def _validate_context(cfg) -> None:
+def validate_context(cfg) -> None:
     """`model.max_seq_len` against the checkpoint, and every backend's own context against
     it (errors name the key)."""
     from pipelinerl_jax.models.hf_io import load_config  # late: JAX
@@ -227,7 +227,7 @@ def _validate_context(cfg) -> None:
                               f"there, and {key} follows it unless set)")
 
 
-def _with_contexts(cfg) -> ml_collections.ConfigDict:
+def with_contexts(cfg) -> ml_collections.ConfigDict:
     """A copy of `cfg` with every backend section's context filled in (`context_length`)."""
     from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
     cfg = ml_collections.ConfigDict(cfg.to_dict())
@@ -247,6 +247,26 @@ def _validate_lora_run(cfg) -> None:
                           f"sampler.kind={cfg.sampler.kind!r}")
     # sglang-jax servers (sampler.kind='sglang' too) have no /load_lora_adapter: the engine
     # refuses them at start-up, naming the server (sglang_client.LORA_HINT).
+
+
+def validate_learner_batch(cfg) -> tuple:
+    """`mesh.shape` and the learner's batch split (rows over minibatches, micro-batches and
+    the mesh's batch axes); returns the mesh shape."""
+    L, r = cfg.learner, cfg.rollout
+    for key in ("batch_groups", "minibatches", "micro_batches"):
+        _int(cfg, f"learner.{key}", 1)
+    _int(cfg, "rollout.group_size", 1)
+    shape = tuple(cfg.mesh.shape)
+    if len(shape) != 3 or any(not isinstance(x, int) or x < 1 for x in shape):
+        raise ConfigError("mesh.shape", f"must be three positive sizes (data, fsdp, tensor), "
+                                        f"got {shape}")
+    rows = L.batch_groups * r.group_size
+    split = L.minibatches * L.micro_batches * shape[0] * shape[1]
+    if rows % split:
+        raise ConfigError("learner.batch_groups", f"a batch of {L.batch_groups} groups x "
+                          f"{r.group_size} samples = {rows} rows is not divisible by "
+                          f"minibatches x micro_batches x mesh data*fsdp = {split}")
+    return shape
 
 
 def validate(cfg) -> None:
@@ -279,9 +299,9 @@ def validate(cfg) -> None:
     if cfg.sampler.kind not in BACKENDS:
         raise ConfigError("sampler.kind", f"must be one of {tuple(BACKENDS)}, "
                                           f"got {cfg.sampler.kind!r}")
-    _validate_context(cfg)
+    validate_context(cfg)
     context_key = _context_key(cfg)  # before the copy below fills the sections in
-    cfg = _with_contexts(cfg)  # the sections' checks see the contexts the run will use
+    cfg = with_contexts(cfg)  # the sections' checks see the contexts the run will use
     _int(cfg, "sampler.keep_weight_versions", 1)
     _int(cfg, "rollout.num_workers", 1)
     for kind, b in BACKENDS.items():  # every section, so a switch of kind finds no surprise
@@ -317,16 +337,8 @@ def validate(cfg) -> None:
     if not isinstance(L.record_batches, bool):
         raise ConfigError("learner.record_batches", f"must be True or False, "
                                                     f"got {L.record_batches!r}")
-    shape = tuple(cfg.mesh.shape)
-    if len(shape) != 3 or any(not isinstance(x, int) or x < 1 for x in shape):
-        raise ConfigError("mesh.shape", f"must be three positive sizes (data, fsdp, tensor), "
-                                        f"got {shape}")
+    shape = validate_learner_batch(cfg)
     rows = L.batch_groups * r.group_size
-    split = L.minibatches * L.micro_batches * shape[0] * shape[1]
-    if rows % split:
-        raise ConfigError("learner.batch_groups", f"a batch of {L.batch_groups} groups x "
-                          f"{r.group_size} samples = {rows} rows is not divisible by "
-                          f"minibatches x micro_batches x mesh data*fsdp = {split}")
     for key in ("learning_rate", "max_grad_norm"):
         v = L.optimizer[key]
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -377,7 +389,7 @@ def resolve(cfg) -> ml_collections.ConfigDict:
     """Derived values filled in once, after validation (module docstring): the backends'
     contexts, the lag limits, and the transport section's bounds."""
     from pipelinerl_jax.tokenizers import get_tokenizer  # late: JAX
-    cfg = _with_contexts(cfg)
+    cfg = with_contexts(cfg)
     tok = get_tokenizer(cfg.tokenizer)
     cfg.transport.vocab_size = tok.vocab_size
     cfg.rollout.admission_lag, cfg.transport.max_lag = lag_limits(cfg)

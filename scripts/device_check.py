@@ -1,6 +1,7 @@
 """One accelerator check of the whole project, for a borrowed GPU with no network (issue 14 §4).
 
-    bash scripts/device_check.sh [--cpu] [--out DIR] [--only model,engine,train]
+    bash scripts/device_check.sh [--cpu | --tpu] [--out DIR] [--only model,engine,train]
+    bash scripts/device_check.sh --tpu --only programs --config=configs/tpu/lora_v5e8.py
 
 Runs, each as its own process with its own time limit (this driver never imports JAX, so
 it holds no device memory):
@@ -29,6 +30,12 @@ it holds no device memory):
   train   experiments/train.py --config=configs/default.py for 20 RL steps (a 30-step warm
           start), learner and sampler sharing GPU 0 through `resources.learner_devices=0`,
           `resources.sampler_devices=0`, `resources.gpu_memory_fraction` (preallocation off).
+
+  programs  (only with --only programs) scripts/run_programs.py --config=...: the programs
+          experiments/compile_check.py compiles for a TPU topology, compiled for this host's
+          devices and run on zero-filled inputs of the run's shapes; measured time and peak
+          memory beside the compiler's roofline and plan (docs/tpu.md). `--tpu` runs JAX on
+          a TPU VM's chips (JAX_PLATFORMS=tpu).
 
 `--cpu`: the same parts with JAX on CPU, the tiny model (`--smoke`) and 3 RL steps, no
 installation (the test suite runs this). Each part's output goes to `<out>/<part>.log`
@@ -61,6 +68,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEELS = os.path.join(ROOT, ".whl")
 PARTS = ("env", "model", "lora", "engine", "paged", "train")
+# Run only when named in --only: the programs of --config that experiments/compile_check.py
+# compiles for a TPU topology, run here for real (scripts/run_programs.py; docs/tpu.md).
+OPTIONAL = ("programs",)
 # Seconds per part; the GPU total stays under 10 minutes with room for process start-up (the
 # GPU limits sum to TOTAL_S: the paged part's 75 s came from env -20, model -25, lora -20,
 # train -30, and engine +5 for its paged half).
@@ -68,6 +78,7 @@ LIMITS = {"gpu": {"env": 40, "model": 125, "lora": 90, "engine": 105, "paged": 7
                   "train": 140},
           "cpu": {"env": 60, "model": 180, "lora": 240, "engine": 120, "paged": 180,
                   "train": 300}}
+PROGRAMS_LIMIT_S = 540
 TOTAL_S = {"gpu": 575, "cpu": 1320}
 GRACE_S = 20  # of a part's limit, between SIGTERM and SIGKILL
 # Distributions whose wheels `--download-wheels` fetches: the accelerator image (KINDS.md)
@@ -296,6 +307,19 @@ def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
     return out
 
 
+def part_programs(r: Runner, config: str) -> dict:
+    res = r.run("programs", [sys.executable, "scripts/run_programs.py", f"--config={config}"],
+                PROGRAMS_LIMIT_S)
+    data = _last_json(res["stdout"]) or {}
+    out = {"status": res["status"], "time_s": res.get("time_s"), "config": config, **data}
+    if "error" in res:
+        out["error"] = res["error"]
+    failed = [k for k, v in data.get("programs", {}).items() if "error" in v]
+    if out["status"] == "ok" and (failed or not data):
+        out.update(status="failed", error=f"programs that did not run: {failed or 'all'}")
+    return out
+
+
 def part_paged(r: Runner) -> dict:
     cmd = [sys.executable, "scripts/bench_paged.py", "--smoke" if r.mode == "cpu" else "--quick"]
     res = r.run("paged", cmd, LIMITS[r.mode]["paged"])
@@ -401,6 +425,9 @@ def part_train(r: Runner, workdir: str, steps: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu", action="store_true", help="JAX on CPU, tiny shapes, few steps")
+    p.add_argument("--tpu", action="store_true", help="JAX on the TPU chips of this VM")
+    p.add_argument("--config", default="configs/default.py",
+                   help="the run config whose programs the 'programs' part runs")
     p.add_argument("--out", default=os.environ.get("OUT") or None,
                    help="logs and device_check.json (default $OUT)")
     p.add_argument("--workdir", default=None, help="checkpoints and run dirs (default: tmp)")
@@ -419,16 +446,16 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     workdir = a.workdir or tempfile.mkdtemp(prefix="device_check_work_")
     only = [s for s in a.only.split(",") if s]
-    unknown = set(only) - set(PARTS)
+    unknown = set(only) - set(PARTS + OPTIONAL)
     if unknown:
-        p.error(f"unknown parts {sorted(unknown)}; valid: {PARTS}")
+        p.error(f"unknown parts {sorted(unknown)}; valid: {PARTS + OPTIONAL}")
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     if mode == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
     else:  # fail loudly rather than fall back to CPU
-        env.setdefault("JAX_PLATFORMS", "cuda")
+        env.setdefault("JAX_PLATFORMS", "tpu" if a.tpu else "cuda")
     env.pop("XLA_FLAGS", None)  # bench_real_size and the launcher set their own
     r = Runner(out, mode, env)
     t0 = time.monotonic()
@@ -438,9 +465,10 @@ def main(argv=None) -> int:
              "lora": lambda: part_lora(r),
              "engine": lambda: part_bench(r, "engine", bench_dir, a.param_dtype),
              "paged": lambda: part_paged(r),
-             "train": lambda: part_train(r, workdir, a.steps or TRAIN_STEPS[mode])}
+             "train": lambda: part_train(r, workdir, a.steps or TRAIN_STEPS[mode]),
+             "programs": lambda: part_programs(r, a.config)}
     bench_dir = os.path.join(workdir, "bench")
-    for part in PARTS:
+    for part in PARTS + OPTIONAL:
         if part in only:
             try:
                 result[part] = parts[part]()

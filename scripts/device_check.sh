@@ -5,6 +5,8 @@
 #
 #   bash scripts/device_check.sh            # one NVIDIA GPU, under 8 minutes
 #   bash scripts/device_check.sh --cpu      # JAX on CPU, tiny shapes (the test suite's form)
+#   bash scripts/device_check.sh --tpu --only programs --config=configs/tpu/lora_v5e8.py
+#                                           # on a TPU VM: the programs compile_check compiled
 #
 # Wheels the GPU image lacks travel in .whl/ (ignored by git): where pip works, once,
 #   echo /.whl/ >> .git/info/exclude; bash scripts/device_check.sh --download-wheels

@@ -207,21 +207,46 @@ def logp_and_entropy(logits, targets, temperature):
     return logp, entropy
 
 
-def init_state(model, optimizer, mesh: Mesh) -> TrainState:
-    """The initial state, every leaf placed explicitly on `mesh`.
+def trained_and_frozen(model_state):
+    """(trained params, frozen base or None) of a model's state, as pure dicts: with LoRA
+    adapters only they train and the rest is the frozen base, else every `Param` trains."""
+    if jax.tree.leaves(model_state.filter(nnx.LoRAParam)):
+        return (nnx.to_pure_dict(model_state.filter(nnx.LoRAParam)),
+                nnx.to_pure_dict(model_state.filter(nnx.All(nnx.Param,
+                                                            nnx.Not(nnx.LoRAParam)))))
+    return nnx.to_pure_dict(model_state.filter(nnx.Param)), None
 
-    Optimizer moments (float32 whatever the params' dtype) take the sharding of the parameter
-    they mirror (found by path suffix and shape), everything else is replicated. Explicit
-    placement matters beyond memory: a leaf left uncommitted on the first call would differ
-    in type from the step's output and cost a recompilation on the second call.
-    """
-    frozen = None
-    if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):  # adapters: only they train
-        params = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
-        frozen = nnx.to_pure_dict(nnx.state(model, nnx.All(nnx.Param,
-                                                            nnx.Not(nnx.LoRAParam))))
-    else:
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+def abstract_state(abstract_model, optimizer, mesh: Mesh, rules=sharding_lib.DEFAULT_RULES):
+    """The state `init_state` would build for `abstract_model` (from `nnx.eval_shape`), as
+    `ShapeDtypeStruct`s carrying the same shardings: what the step is AOT-compiled for
+    (`experiments/compile_check.py`) without allocating a weight."""
+    shardings = nnx.to_pure_dict(sharding_lib.state_shardings(nnx.state(abstract_model),
+                                                              mesh, rules))
+
+    def placed(tree, like):
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            tree, like)
+    params, frozen = trained_and_frozen(nnx.state(abstract_model))
+    params = placed(params, _subtree(shardings, params))
+    abstract_opt = jax.eval_shape(optimizer.init, params)
+    opt_state = placed(abstract_opt, opt_state_shardings(params, abstract_opt, mesh))
+    step = jax.ShapeDtypeStruct((), jnp.int32,
+                                sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    if frozen is not None:
+        return LoRATrainState(params, opt_state, step, placed(frozen, _subtree(shardings, frozen)))
+    return TrainState(params, opt_state, step)
+
+
+def _subtree(full: dict, part: dict) -> dict:
+    """The entries of nested dict `full` at the keys of nested dict `part`."""
+    return {k: _subtree(full[k], v) if isinstance(v, dict) else full[k] for k, v in part.items()}
+
+
+def opt_state_shardings(params, abstract_opt, mesh: Mesh):
+    """Shardings of the optimizer state `abstract_opt` of `params` (arrays or
+    `ShapeDtypeStruct`s carrying their shardings): a moment takes the sharding of the
+    parameter it mirrors (found by path suffix and shape), everything else is replicated."""
     by_path = {tuple(p): (x.shape, x.sharding)
                for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -233,10 +258,22 @@ def init_state(model, optimizer, mesh: Mesh) -> TrainState:
                 return hit[1]
         return replicated
 
-    abstract = jax.eval_shape(optimizer.init, params)
-    opt_sharding = jax.tree_util.tree_map_with_path(sharding_for, abstract)
+    return jax.tree_util.tree_map_with_path(sharding_for, abstract_opt)
+
+
+def init_state(model, optimizer, mesh: Mesh) -> TrainState:
+    """The initial state, every leaf placed explicitly on `mesh`.
+
+    Optimizer moments (float32 whatever the params' dtype) take the sharding of the parameter
+    they mirror (found by path suffix and shape), everything else is replicated. Explicit
+    placement matters beyond memory: a leaf left uncommitted on the first call would differ
+    in type from the step's output and cost a recompilation on the second call.
+    """
+    params, frozen = trained_and_frozen(nnx.state(model))
+    opt_sharding = opt_state_shardings(params, jax.eval_shape(optimizer.init, params), mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    step = jax.device_put(jnp.zeros((), jnp.int32),
+                          NamedSharding(mesh, jax.sharding.PartitionSpec()))
     if frozen is not None:
         return LoRATrainState(params, opt_state, step, frozen)
     return TrainState(params, opt_state, step)
@@ -275,12 +312,17 @@ class TrainStep:
 
     def __init__(self, jitted, hparams: dict, sharding):
         self.jitted = jitted
-        self.hparams = jax.device_put(hparams_tree(hparams), sharding)
+        self.hparams = hparams_tree(hparams)  # host values (an AOT compile reads their shapes)
         self._sharding = sharding
+        self._placed = None  # the defaults on device, placed at the first call
 
     def __call__(self, state, batch, hparams: Optional[dict] = None):
-        hp = self.hparams if hparams is None else jax.device_put(hparams_tree(hparams),
-                                                                 self._sharding)
+        if hparams is None:
+            if self._placed is None:
+                self._placed = jax.device_put(self.hparams, self._sharding)
+            hp = self._placed
+        else:
+            hp = jax.device_put(hparams_tree(hparams), self._sharding)
         return self.jitted(state, batch, hp)
 
     def __getattr__(self, name):  # lower, _cache_size, ... of the jitted function

@@ -17,6 +17,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from pipelinerl_jax.config import ConfigError, check_keys, number, one_of, positive_int
+from pipelinerl_jax.sim import compiled
 from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS, Accelerator, ModelSpec
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime, kv_capacity_tokens
 from pipelinerl_jax.sim.lengths import Empirical, LogNormal, lengths_from_run
@@ -82,12 +83,15 @@ def default_config() -> ml_collections.ConfigDict:
     c.sweep = ml_collections.ConfigDict({"max_staleness": 8, "steps": 100, "trainers": ()})
     c.output = ml_collections.ConfigDict({"series_dt_s": 1.0, "trace_steps": 20, "plots": True})
     c.calibrate_from = ""
+    # a compile check's JSON (experiments/compile_check.py --out): decode and train step
+    # costs from the TPU compiler instead of the datasheet roofline (sim/compiled.py)
+    c.costs_from = ""
     return c
 
 
 _TOP = ("mode", "seed", "steps", "warmup_steps", "devices", "split", "hardware", "model",
         "latency", "lengths", "rollout", "train", "workload", "queue", "max_lag", "weight_sync_s",
-        "pause_samplers_on_sync", "sweep", "output", "calibrate_from")
+        "pause_samplers_on_sync", "sweep", "output", "calibrate_from", "costs_from")
 
 
 def _check_sections(cfg):
@@ -251,10 +255,19 @@ def build_setup(cfg, mode: str | None = None) -> SimSetup:
                                f"train.state_bytes_per_param = {cfg.train.state_bytes_per_param})")
     sharp = number(cfg, "latency.sharpness", lo=1.0) if not math.isinf(cfg.latency.sharpness) \
         else math.inf
-    decode = DecodeLatency.roofline(acc, model, tp, sharp,
-                                    number(cfg, "latency.step_overhead_s", lo=0))
-    train = TrainTime.roofline(acc, model, number(cfg, "train.flops_per_param_token", lo=0, lo_open=True),
-                               number(cfg, "train.step_overhead_s", lo=0))
+    overhead = number(cfg, "latency.step_overhead_s", lo=0)
+    train_fixed = number(cfg, "train.step_overhead_s", lo=0)
+    if cfg.costs_from:
+        costs = compiled.read_costs(cfg.costs_from)
+        if costs["engine_chips"] != tp:
+            raise ConfigError("rollout.devices_per_engine", f"{tp}, but the compile check's "
+                              f"engine ({cfg.costs_from}) has {costs['engine_chips']} chips")
+        decode = compiled.decode_latency(costs, acc, sharp, overhead)
+        train = compiled.train_time(costs, acc, train_fixed)
+    else:
+        decode = DecodeLatency.roofline(acc, model, tp, sharp, overhead)
+        train = TrainTime.roofline(acc, model, number(cfg, "train.flops_per_param_token", lo=0,
+                                                      lo_open=True), train_fixed)
     cap_b = cfg.queue.capacity_batches
     if cap_b is not None:
         cap_b = positive_int(cfg, "queue.capacity_batches")

@@ -7,7 +7,7 @@ converted in `sim/config.py`.
 Accelerator presets use the vendors' public datasheet numbers (dense bf16, no sparsity):
   h100     NVIDIA H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s.
   h200     NVIDIA H200 SXM:  141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s.
-  tpu-v5e  Google Cloud TPU v5e chip: 16 GB HBM2, 819 GB/s, 197 TFLOP/s.
+  tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e   Cloud TPU chips, from `aot/chips.py`'s table.
   cpu      this development machine (2 cores of an AMD EPYC, 24 GiB), MEASURED, see
            `measure_cpu`: float32 2048x2048 matmul, best of 5 = 79.5 GFLOP/s; 256 MiB
            float32 `np.copyto`, best of 5, counting bytes read + written = 31.6 GB/s.
@@ -27,6 +27,8 @@ import dataclasses
 import time
 
 import numpy as np
+
+from pipelinerl_jax.aot.chips import CHIPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,9 @@ class ModelSpec:
 ACCELERATORS = {
     "h100": Accelerator("h100", hbm_bytes=80e9, hbm_bw=3.35e12, peak_flops=989e12),
     "h200": Accelerator("h200", hbm_bytes=141e9, hbm_bw=4.8e12, peak_flops=989e12),
-    "tpu-v5e": Accelerator("tpu-v5e", hbm_bytes=16e9, hbm_bw=819e9, peak_flops=197e12),
+    # Cloud TPU chips: the one table of `pipelinerl_jax/aot/chips.py` (sources there).
+    **{f"tpu-{c.name}": Accelerator(f"tpu-{c.name}", hbm_bytes=c.hbm_bytes, hbm_bw=c.hbm_bw,
+                                    peak_flops=c.peak_bf16_flops) for c in CHIPS.values()},
     # Measured here by `measure_cpu()` (see the module docstring). numpy reaches most of its
     # matmul peak on a 2048² product and a streaming copy is what a decode step does to its
     # weights, so the achievable fractions are set high.

@@ -1,0 +1,97 @@
+"""Every program of a run compiles for a TPU topology on this CPU host (libtpu's compiler):
+the default config's programs on `v5e:2x2`, and Qwen2.5-0.5B's engine decode with the
+Pallas kernel per shard of a 2-way tensor mesh, whose HLO must call the Mosaic kernel."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import default
+from pipelinerl_jax.aot import check, programs, report
+from pipelinerl_jax.models.hf_io import load_config
+from pipelinerl_jax.rollout.engine_programs import engine_mesh, engine_programs
+from pipelinerl_jax.rollout.jax_engine import engine_config
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
+    cfg = default.get_config()
+    summary = report.run(cfg, "v5e:2x2", dump_dir=str(tmp_path), log=lambda *a: None)
+    progs = summary["programs"]
+    assert sorted(progs) == ["engine/decode[rows=64,len=256]", "engine/decode[rows=64,len=64]",
+                             "engine/prefill[b=4,t=256]", "engine/reshard",
+                             "learner/train_step"]
+    assert summary["failures"] == []
+    for name, p in progs.items():
+        assert p["compiled"] and p["fits"], (name, p.get("error"))
+        assert 0 < p["hbm_bytes_per_chip"] <= p["hbm_capacity_bytes"] == 16e9, name
+        assert p["bytes_accessed"] > 0 and p["roofline_s"] > 0, name
+    # the compiler's FLOPs of a train step: at least forward + backward (3 forwards) of
+    # every packed token through the model's matmuls
+    mc = programs.model_config(cfg)
+    train = progs["learner/train_step"]
+    forward = mc.flops_per_token(0) * train["work"]["tokens"]
+    assert 3 * forward <= train["flops"] <= 6 * forward
+    # a decode step of 64 rows: their forward, counted once per step (the while body)
+    decode = progs["engine/decode[rows=64,len=256]"]
+    assert mc.flops_per_token(0) * 64 <= decode["flops"] <= 2 * mc.flops_per_token(256) * 64
+    # the paged decode attention is the Pallas TPU kernel (a Mosaic custom call a layer)
+    assert decode["mosaic_calls"] == mc.num_layers
+    hlo = (tmp_path / "engine_decode_rows=64,len=256_.hlo.txt").read_text()
+    assert 'custom_call_target="tpu_custom_call"' in hlo
+    est = summary["estimates"]
+    assert est["train_step_s"] == train["roofline_s"] * train["work"]["chunks"]
+    assert est["decode_tokens_per_s_per_chip"] == pytest.approx(64 / decode["roofline_s"])
+
+
+def test_qwen_05b_decode_runs_the_pallas_kernel_per_shard_of_a_2way_tensor_mesh(v5e_2x2):
+    devices, _ = v5e_2x2
+    mc = load_config(os.path.join(ROOT, "configs", "shapes", "qwen2.5-0.5b"))
+    e = engine_config()
+    e.update(kv_layout="paged", attention_kernel="pallas", dtype="bfloat16", max_slots=32,
+             max_seq_len=1024, kv_budget_tokens=32 * 1024, tensor_parallel=2)
+    mesh = engine_mesh(2, devices[:2])
+    progs = engine_programs(mc, e, mesh, block_sizes=programs.block_sizes(e))
+    with programs.default_device(devices):
+        compiled = progs.fns.decode.lower(*progs.decode_args(32), cache_len=1024,
+                                          rows=32).compile()
+    assert check.mosaic_calls(compiled.as_text()) == mc.num_layers
+    # weights and pool are split over the two chips: each holds about half of them
+    whole = sum(x.size * x.dtype.itemsize
+                for x in jax.tree.leaves((progs.params, progs.cache)))
+    per_chip = check.memory_of(compiled)["arguments"]
+    assert 0.45 * whole < per_chip < 0.6 * whole
+
+
+@pytest.mark.slow  # starts the entry point
+def test_a_program_that_does_not_fit_fails_the_command_naming_the_key(v5e_2x2, tmp_path):
+    out = tmp_path / "check.json"
+    # 20M tokens of the default model's KV (1 KiB a token) are 20 GiB: no v5e holds them
+    proc = subprocess.run(
+        [sys.executable, "experiments/compile_check.py", "--config=configs/default.py",
+         "--topology=v5e:2x2", "--roles=sampler", "--config.engine.kv_budget_tokens=20000000",
+         f"--out={out}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "FAIL: engine/decode[rows=64,len=256] needs" in proc.stdout
+    assert "change engine.kv_budget_tokens" in proc.stdout
+    summary = json.loads(out.read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == summary
+    decode = summary["programs"]["engine/decode[rows=64,len=256]"]
+    # XLA:TPU itself refuses to compile it, naming what it needs: the check reports that
+    assert decode["out_of_memory"] and not decode["compiled"] and not decode["fits"]
+    assert decode["hbm_bytes_per_chip"] > decode["hbm_capacity_bytes"]
+
+
+@pytest.mark.slow  # starts the entry point
+def test_a_bad_config_fails_before_compiling_naming_the_key():
+    proc = subprocess.run(
+        [sys.executable, "experiments/compile_check.py", "--config=configs/default.py",
+         "--topology=v5e:2x2", "--config.learner.micro_batches=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "config error: learner.batch_groups" in proc.stderr
+    assert "compiling" not in proc.stdout
