@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.learner import multihost
 from pipelinerl_jax.models import flat_params
 from pipelinerl_jax.learner.publication import Publication
@@ -45,7 +45,7 @@ def make_step(graphdef):
 
 
 def run(mode: str, cfg, steps: int, batch: int, seq: int) -> dict:
-    graphdef, params = nnx.split(sharding.create_model(cfg))
+    graphdef, params = nnx.split(create_model(cfg))
     params = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params))
     step = make_step(graphdef)
     ids = jax.random.randint(jax.random.key(0), (batch, seq), 0, cfg.vocab_size, jnp.int32)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import os
 
-import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "pipelinerl_jax")
@@ -41,13 +40,15 @@ def _library(path: str) -> bool:
     return not any(e in rel for e in EXEMPT)
 
 
-def _top_level_imports(name: str, path: str):
-    """Package modules imported when `name` is imported (module-level statements only;
-    imports inside functions run later and cannot form an import-time cycle)."""
+def _imports(name: str, path: str, modules):
+    """Modules of `modules` that `name` imports anywhere in its source: module level, inside
+    functions and under `if TYPE_CHECKING` alike. An import inside a function runs later, so
+    it dodges the import-time error of a cycle, but the two modules still depend on each
+    other: a function-level import is how a cycle hides, so it counts."""
     tree = ast.parse(open(path).read(), path)
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     found = set()
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -57,8 +58,49 @@ def _top_level_imports(name: str, path: str):
                 base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
             for a in node.names:
                 sub = f"{base}.{a.name}"
-                found.add(sub if sub in MODULES else base)
-    return {m for m in found if m in MODULES and m != name}
+                found.add(sub if sub in modules else base)
+    out = set()
+    for m in found:
+        # Importing a.b.c runs package a.b's __init__ first: a dependency on every package
+        # above the target that `name` is not itself inside.
+        parts = m.split(".")
+        for i in range(1, len(parts) + 1):
+            dep = ".".join(parts[:i])
+            if dep in modules and dep != name and not name.startswith(dep + "."):
+                out.add(dep)
+    return out
+
+
+def import_cycle(modules):
+    """The first import cycle among `modules` ({dotted name: path}) as a list of names
+    (first == last), or None."""
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    # Importing a.b.c imports package a.b first: an edge from a package's __init__ to its
+    # own submodule is how packages re-export, not a cycle.
+    for m in graph:
+        graph[m] = {d for d in graph[m] if not d.startswith(m + ".")}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "active"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "active":
+                return stack[stack.index(d):] + [d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
 
 
 def test_library_files_stay_small():
@@ -130,36 +172,36 @@ def test_no_class_reads_private_state_it_does_not_own():
 
 
 def test_no_import_cycles():
-    graph = {m: _top_level_imports(m, p) for m, p in MODULES.items()}
-    # Importing a.b.c imports package a.b first: an edge from a package's __init__ to its
-    # own submodule is how packages re-export, not a cycle.
-    for m in graph:
-        graph[m] = {d for d in graph[m] if not d.startswith(m + ".")}
-    state, stack = {}, []
-
-    def visit(m):
-        state[m] = "active"
-        stack.append(m)
-        for d in sorted(graph[m]):
-            if state.get(d) == "active":
-                cycle = stack[stack.index(d):] + [d]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
-            if d not in state:
-                visit(d)
-        stack.pop()
-        state[m] = "done"
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m)
+    cycle = import_cycle(MODULES)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_the_learner_imports_no_engine_and_never_branches_on_the_sampler_kind():
+def test_a_cycle_hidden_in_a_function_level_import_is_found(tmp_path):
+    """The check sees through the usual hiding place: `b` imports `a` at module level, `a`
+    imports `b` only inside a function (Python would import both without an error)."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n    return g()\n")
+    (pkg / "b.py").write_text("from pkg import a\n\n\ndef g():\n    return 1\n")
+    modules = {"pkg": str(pkg / "__init__.py"), "pkg.a": str(pkg / "a.py"),
+               "pkg.b": str(pkg / "b.py")}
+    assert import_cycle(modules) in (["pkg.a", "pkg.b", "pkg.a"], ["pkg.b", "pkg.a", "pkg.b"])
+    (pkg / "a.py").write_text("def f():\n    return 1\n")  # the function-level edge gone
+    assert import_cycle(modules) is None
+
+
+def test_the_learner_imports_no_engine_or_environment_and_never_branches_on_the_sampler_kind():
+    """The learner trains on tokens: it knows no engine (rollout/) and no environment (envs/);
+    a warm start's demonstrations are encoded in launch/."""
     for name, path in MODULES.items():
         if not name.startswith("pipelinerl_jax.learner"):
             continue
         src = open(path).read()
-        assert "pipelinerl_jax.rollout" not in src, f"{path} imports from rollout/"
+        deps = _imports(name, path, MODULES)
+        for banned in ("pipelinerl_jax.rollout", "pipelinerl_jax.envs"):
+            assert not {d for d in deps if d == banned or d.startswith(banned + ".")}, \
+                f"{path} imports from {banned}"
         assert "sampler.kind" not in src, f"{path} branches on sampler.kind"
 
 

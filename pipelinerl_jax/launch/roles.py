@@ -152,11 +152,11 @@ def eval_outbox(cfg, workdir: str, init_ckpt: str):
 
 
 def evaluated_sft(cfg, workdir: str, progress: bool = True) -> dict:
-    """`run_sft` with held-out accuracy of the model's current parameters as its `evaluate`
-    (none if eval_size is 0): one embedded evaluator engine serves every call (the first
+    """The warm start's SFT (`sft_on_demonstrations`) with held-out accuracy of the model's
+    current parameters as its `evaluate` (none if eval_size is 0): one embedded evaluator engine serves every call (the first
     loads it from the model, later ones install the parameters as version `step`) and is
     closed when SFT ends."""
-    from pipelinerl_jax.learner.sft import run_sft
+    from pipelinerl_jax.launch.demonstrations import sft_on_demonstrations
     held = {}
 
     def evaluate(model, step: int = 0):
@@ -170,7 +170,7 @@ def evaluated_sft(cfg, workdir: str, progress: bool = True) -> dict:
             return held["ev"].run(0)
         return held["ev"](flat_params(model), step)
     try:
-        return run_sft(cfg, workdir, progress=progress,
+        return sft_on_demonstrations(cfg, workdir, progress=progress,
                        evaluate=evaluate if cfg.learner.eval_size > 0 else None)
     finally:
         if "ev" in held:

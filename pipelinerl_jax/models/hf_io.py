@@ -25,7 +25,7 @@ from flax import nnx
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models.config import CheckpointError, ModelConfig, dtype_of
 from pipelinerl_jax.models.model import Decoder
-from pipelinerl_jax.models.params import decoder_from_flat
+from pipelinerl_jax.models.params import decoder_from_flat, path_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -236,7 +236,7 @@ def from_pretrained(path: str, dtype: Any = "float32", param_dtype: Any = None,
                               f"{' ...' if len(missing) > 5 else ''}")
 
     def fill(p, var):
-        return var.replace(loaded[sharding_lib.path_name(p)])
+        return var.replace(loaded[path_name(p)])
 
     state = jax.tree_util.tree_map_with_path(fill, abs_state,
                                              is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -246,7 +246,7 @@ def from_pretrained(path: str, dtype: Any = "float32", param_dtype: Any = None,
 def _flat_vars(state) -> Iterator[Tuple[str, Any]]:
     for p, var in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        yield sharding_lib.path_name(p), var
+        yield path_name(p), var
 
 
 def hf_state_dict(model_or_state, cfg: ModelConfig, dtype: Any = None) -> Dict[str, np.ndarray]:

@@ -35,7 +35,9 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.config import ConfigError, check_keys
+from pipelinerl_jax.models.hf_io import from_pretrained
 from pipelinerl_jax.models.params import WeightsMismatch, flat_params
 
 # target name -> (the block's submodule, how many leading axes of W are its input)
@@ -147,7 +149,6 @@ def attach_lora(model, spec: LoRASpec, mesh, seed: int = 0):
     """`add_lora`, then each adapter placed in its sharding on `mesh` (the rules of
     `pipelinerl_jax.sharding`). The values are drawn once on the host, the same on every
     process, and each process puts only its own shards (multi-process learners)."""
-    from pipelinerl_jax import sharding as sharding_lib  # cycle: sharding imports models
     add_lora(model, spec, nnx.Rngs(seed))
     adapters = nnx.state(model, nnx.LoRAParam)
     shardings = sharding_lib.state_shardings(adapters, mesh)
@@ -245,7 +246,6 @@ def merged_writer(save, base_checkpoint: str, spec: LoRASpec, dtype="float32",
     """`save(flat, directory)` for adapter-only flat dicts: each is merged (float32) into the
     base of `base_checkpoint` (loaded to host once, on first use, in these dtypes) and the
     merged weights go to `save` (e.g. `transport.weight_sink.hf_checkpoint_writer`)."""
-    from pipelinerl_jax.models.hf_io import from_pretrained  # late: heavy
     cache = {}
 
     def write(flat, directory):

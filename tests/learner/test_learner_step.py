@@ -3,9 +3,9 @@ and declared needs decide it, never the raw `loss` section (whose unset keys are
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.losses import LOSSES, get_loss, loss_from_config
 from pipelinerl_jax.models import tiny_config
@@ -30,7 +30,7 @@ def _rollouts(lengths, seed=0):
 
 def _train(cfg, rollouts, steps=2):
     mesh = sharding.make_mesh((1, 1, 1))
-    model = sharding.create_model(MODEL, mesh, seed=3)
+    model = create_model(MODEL, mesh, seed=3)
     optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
     state = ts.init_state(model, optimizer, mesh)
     step_fn = loop.make_step(cfg, model, optimizer, mesh, state)

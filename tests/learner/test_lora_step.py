@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.models import LoRASpec, adapter_params, base_params, flat_params
 from pipelinerl_jax.run_config import base_config
@@ -23,7 +24,7 @@ def _run(mesh_shape, lora, steps=3):
     cfg = base_config()
     cfg.learner.optimizer.learning_rate = 1e-2
     mesh = sharding.make_mesh(mesh_shape)
-    model = sharding.create_model(MODEL, mesh, seed=3, lora=lora)
+    model = create_model(MODEL, mesh, seed=3, lora=lora)
     start = flat_params(model)
     optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
     state = ts.init_state(model, optimizer, mesh)
@@ -107,7 +108,7 @@ def test_checkpoints_hold_only_adapters_and_resume_exactly(tmp_path, one_device)
                            pack_len=32, completion_len=24, row_divisor=4)
 
     def fresh():
-        model = sharding.create_model(MODEL, mesh, seed=3, lora=SPEC)
+        model = create_model(MODEL, mesh, seed=3, lora=SPEC)
         optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
         state = ts.init_state(model, optimizer, mesh)
         return state, loop.make_step(cfg, model, optimizer, mesh, state)

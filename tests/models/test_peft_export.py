@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from pipelinerl_jax import sharding  # noqa: E402
+from pipelinerl_jax.models.params import path_name  # noqa: E402
 from pipelinerl_jax.models import (Decoder, LoRASpec, WeightsMismatch,  # noqa: E402
                                    adapter_params, add_lora, base_params, tiny_config,
                                    write_hf_dir)
@@ -38,7 +39,7 @@ def _model(family, spec, seed=0):
     rng = np.random.default_rng(seed + 2)  # a trained adapter: B (and biases) off zero
     for path, var in jax.tree_util.tree_flatten_with_path(
             nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        name = sharding.path_name(path)
+        name = path_name(path)
         if name.endswith("_lora_b") or "bias" in name:
             var.set_value(jnp.asarray(0.1 * rng.standard_normal(var.shape), var.dtype))
     return cfg, model
