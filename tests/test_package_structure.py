@@ -5,13 +5,14 @@ knows no engine and no environment."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "pipelinerl_jax")
 # Mixins that work on private attributes their host class sets in another file: known debt
-# (issue 24, part 5: compose instead). The list may only shrink.
+# (compose instead). The list may only shrink.
 SHARED_STATE_DEBT = set()
 # Test doubles and generated protobuf code are not library code in this sense.
 EXEMPT = ("testing" + os.sep, "_pb2")
@@ -34,6 +35,17 @@ def _modules():
 MODULES = _modules()
 
 
+def _parse(path: str) -> ast.Module:
+    """A file's syntax tree, parsed once per content for all the checks."""
+    with open(path) as f:
+        return _parse_source(f.read(), path)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_source(source: str, path: str) -> ast.Module:
+    return ast.parse(source, path)
+
+
 def _library(path: str) -> bool:
     rel = os.path.relpath(path, ROOT)
     return not any(e in rel for e in EXEMPT)
@@ -44,7 +56,7 @@ def _imports(name: str, path: str, modules):
     functions and under `if TYPE_CHECKING` alike. An import inside a function runs later, so
     it dodges the import-time error of a cycle, but the two modules still depend on each
     other: a function-level import is how a cycle hides, so it counts."""
-    tree = ast.parse(open(path).read(), path)
+    tree = _parse(path)
     package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
@@ -127,7 +139,7 @@ def foreign_private_uses(paths):
     """["file:line name (defined in other files)"] for every private attribute (`x._name`,
     `module._helper`, `from m import _helper`) a file uses that it does not define itself
     but another of `paths` does: a file reaching into another file's internals."""
-    scanned = {p: _private_names(ast.parse(open(p).read(), p)) for p in paths}
+    scanned = {p: _private_names(_parse(p)) for p in paths}
     owners = {}
     for p, (defined, _) in scanned.items():
         for n in defined:
@@ -174,7 +186,7 @@ def _class_index():
     for path in MODULES.values():
         if not _library(path):
             continue
-        for node in ast.walk(ast.parse(open(path).read(), path)):
+        for node in ast.walk(_parse(path)):
             if not isinstance(node, ast.ClassDef):
                 continue
             bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
@@ -210,7 +222,7 @@ def _own_and_inherited(name, index, seen=()):
 def test_no_class_reads_private_state_it_does_not_own():
     """A class reads only the private attributes it (or a base) defines or assigns: a mixin
     whose methods use `self._x` set in its host's __init__, in another file, shares private
-    state across files — the split by size that issue 24 asks to undo."""
+    state across files — a split by size, not by job."""
     index = _class_index()
     # A base calling a method its subclasses implement (a template-method hook, e.g.
     # LengthDistribution._raw) reads no state: only data attributes count.
