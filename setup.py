@@ -27,6 +27,7 @@ setup(
         "transformers>=4.50,<6",  # configs and tokenizers only; models are ours
         "safetensors>=0.4,<1",
         "numpy>=1.26,<3",
+        "scipy>=1.11,<2",  # Student's t quantiles (ablation/stats.py); jax needs it too
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
     ],
