@@ -88,7 +88,7 @@ def test_a_new_loss_is_configured_and_validated_by_the_run_config(topr):
 def test_a_new_loss_trains_through_the_learner_step(topr):
     """Independent oracles through the jitted train step: on positive advantages TOPR is
     REINFORCE, on negative ones it is token TIS with cap `neg_cap`; on a mix it is neither."""
-    from tests.learner.test_learner_step import _rollouts, _train
+    from tests.learner.step_testlib import _rollouts, _train
 
     def train(loss, rollouts, **hp):
         cfg = run_config.base_config()

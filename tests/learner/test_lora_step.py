@@ -10,7 +10,7 @@ from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.models import LoRASpec, adapter_params, base_params, flat_params
 from pipelinerl_jax.run_config import base_config
-from tests.learner.test_learner_step import MODEL, _rollouts
+from tests.learner.step_testlib import MODEL, _rollouts
 
 SPEC = LoRASpec(rank=4, alpha=8.0)
 LENGTHS = [5, 9, 3, 12, 7, 2, 10, 6]
