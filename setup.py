@@ -25,7 +25,6 @@ setup(
         "protobuf>=7.35.1,<8",
         "ml-dtypes>=0.5,<1",  # bfloat16 weights on the wire (also a jax dependency)
         "transformers>=4.50,<6",  # configs and tokenizers only; models are ours
-        "safetensors>=0.4,<1",
         "numpy>=1.26,<3",
         "scipy>=1.11,<2",  # Student's t quantiles (ablation/stats.py); jax needs it too
         "matplotlib>=3.8,<4",
@@ -43,6 +42,7 @@ setup(
             # oracle for pipelinerl_jax/tb_events.py) and scripts/bench_metrics.py's baseline
             "tensorboardX>=2.6,<3",
             "peft>=0.21.2,<0.22",  # loads our exported LoRA adapters in the parity test
+            "safetensors>=0.4,<1",  # an independent reader of our files in tests (hf_io reads its own)
         ],
         # GPU hosts that launch SGLang servers; never needed on CPU.
         "sglang": ["sglang[all]>=0.5"],

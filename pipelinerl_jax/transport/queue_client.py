@@ -10,6 +10,11 @@ FAILED_PRECONDITION raise `RolloutRejected` with the server's reason and the off
 `field`. A put is refused here, before sending, when it exceeds `max_message_bytes` or one of
 its rollouts could never be delivered in a batch (`queue_core.max_rollout_bytes`).
 `retry_counts` counts retries by code.
+
+Why a retry loop here and not gRPC's service-config retry policy: gRPC clamps `maxAttempts`
+to 5 (about 0.8 s of backoff, measured: BENCHMARKS.md, "Hand-written or a library"), too
+short to ride out a queue restart, and it cannot tell the queue's marked backpressure from
+gRPC's own RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
