@@ -254,7 +254,8 @@ def _flat_vars(state) -> Iterator[Tuple[str, Any]]:
 
 
 def hf_state_dict(model_or_state, cfg: ModelConfig, dtype: Any = None) -> Dict[str, np.ndarray]:
-    """HF-named host arrays of a model or of its `nnx.State` (the weight-sync payload)."""
+    """HF-named host arrays of a model or of its `nnx.State`: what `save_pretrained` writes.
+    (Weight sync sends `params.flat_params`, our own names, not this.)"""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
     ours = {name: var.get_value() for name, var in _flat_vars(state)}
     out = {}
