@@ -15,7 +15,7 @@ import pytest
 
 from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import envs, run_config
-from pipelinerl_jax.tokenizers import CharTokenizer, get_tokenizer
+from pipelinerl_jax.tokenizer import CharTokenizer, get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

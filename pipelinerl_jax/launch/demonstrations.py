@@ -16,7 +16,7 @@ import numpy as np
 
 from pipelinerl_jax.envs import EnvTask, build_task, encode_demonstration
 from pipelinerl_jax.learner.sft import run_sft
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.types import Rollout
 
 

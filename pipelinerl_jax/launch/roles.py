@@ -164,7 +164,7 @@ def evaluated_sft(cfg, workdir: str, progress: bool = True) -> dict:
         if "ev" not in held:
             from pipelinerl_jax.envs import build_task
             from pipelinerl_jax.rollout.evaluator import Evaluator
-            from pipelinerl_jax.tokenizers import get_tokenizer
+            from pipelinerl_jax.tokenizer import get_tokenizer
             held["ev"] = Evaluator.embedded(cfg, model, build_task(cfg),
                                             get_tokenizer(cfg.tokenizer))
             return held["ev"].run(0)
@@ -181,7 +181,7 @@ def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.E
     from pipelinerl_jax.rollout.factory import make_engine
     from pipelinerl_jax.envs import build_task
     from pipelinerl_jax.rollout.worker import RolloutWorker
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
     from pipelinerl_jax.transport import (RolloutQueueClient, WeightSubscriber, client_kwargs,
                                           queue_address, subscriber_kwargs, weights_address)
     tok, task = get_tokenizer(cfg.tokenizer), build_task(cfg)  # single-turn or environment

@@ -66,7 +66,7 @@ from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import flat_params, from_pretrained
 from pipelinerl_jax.models.lora import attach_lora, base_identity, lora_spec
 from pipelinerl_jax.run_config import completion_tokens
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
 
 log = logging.getLogger(__name__)

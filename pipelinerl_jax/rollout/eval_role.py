@@ -76,7 +76,7 @@ def run_evaluator(cfg, workdir: str, init_checkpoint: str,
     from pipelinerl_jax.rollout.eval_versions import eval_root
     from pipelinerl_jax.rollout.evaluator import Evaluator, eval_view
     from pipelinerl_jax.rollout.factory import make_engine
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
     engine = make_engine(eval_view(cfg), init_checkpoint, 0, workdir)  # version -1
     evaluator = Evaluator(cfg, engine, build_task(cfg), get_tokenizer(cfg.tokenizer))
     writer = MetricsWriter(workdir, EVAL_LOG, tb_suffix=".evaluator")

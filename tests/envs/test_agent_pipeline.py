@@ -19,7 +19,7 @@ from pipelinerl_jax.learner import loop as learner_loop
 from pipelinerl_jax.metrics import read_metrics
 from pipelinerl_jax.rollout.jax_engine import make_jax_engine
 from pipelinerl_jax.rollout.worker import RolloutWorker
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from tests.envs.conftest import recording
 from tests.envs.episode_checks import match_engine

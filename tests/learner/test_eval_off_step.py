@@ -16,7 +16,7 @@ from pipelinerl_jax.models.factory import build_model
 from pipelinerl_jax.rollout.eval_role import EvalLoop
 from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox, due, eval_root
 from pipelinerl_jax.run_config import base_config
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
 from pipelinerl_jax.types import Rollout
 

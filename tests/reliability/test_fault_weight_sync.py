@@ -14,7 +14,7 @@ from pipelinerl_jax.models import flat_params, from_pretrained
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.rollout.worker import RolloutWorker
 from pipelinerl_jax.tasks import get_task
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from pipelinerl_jax.transport import weights
 from pipelinerl_jax.transport.queue_client import RetryPolicy
