@@ -60,7 +60,7 @@ from pipelinerl_jax.models.config import dtype_of  # noqa: E402
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.run_config import optimizer_config  # noqa: E402
-from pipelinerl_jax.types import GenerationRequest, Rollout, SamplingParams  # noqa: E402
+from pipelinerl_jax.records import GenerationRequest, Rollout, SamplingParams  # noqa: E402
 from scripts.bench_model import matmul_gflops  # noqa: E402
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipelinerl_jax import types  # noqa: E402
+from pipelinerl_jax import records  # noqa: E402
 from pipelinerl_jax.transport.queue_client import (  # noqa: E402
     QueueUnavailable, RetryPolicy, RolloutQueueClient)
 
@@ -47,7 +47,7 @@ CTX = mp.get_context("spawn")
 
 def make_group(gid: str, size: int, completion: int, version: int, seed: int) -> list:
     rng = np.random.default_rng(seed)
-    return [types.Rollout(
+    return [records.Rollout(
         prompt_ids=rng.integers(0, 1000, 32).astype(np.int32),
         completion_ids=rng.integers(0, 1000, completion).astype(np.int32),
         logp_behaviour=-rng.random(completion).astype(np.float32),

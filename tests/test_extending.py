@@ -173,7 +173,7 @@ def test_a_new_backend_is_a_sampler_kind_the_worker_drives(echo_backend, tmp_pat
     from pipelinerl_jax.rollout.worker import RolloutWorker
     from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
-    from pipelinerl_jax.types import GenerationRequest, SamplingParams
+    from pipelinerl_jax.records import GenerationRequest, SamplingParams
     cfg = run_config.base_config()
     cfg.sampler.kind = "echo"
     cfg.echo.repeat = 0

@@ -17,7 +17,7 @@ import numpy as np
 from pipelinerl_jax.envs import EnvTask, build_task, encode_demonstration
 from pipelinerl_jax.learner.sft import run_sft
 from pipelinerl_jax.tokenizer import get_tokenizer
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 
 def demo_rollouts(task, tok, seed: int) -> Iterator[Rollout]:

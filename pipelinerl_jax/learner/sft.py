@@ -29,7 +29,7 @@ from pipelinerl_jax.models.factory import build_model
 from pipelinerl_jax.models.hf_io import save_pretrained
 from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.run_config import completion_tokens
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 
 def run_sft(cfg, workdir: str, demos: Iterator[Rollout], tok, progress: bool = True,

@@ -53,7 +53,7 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, R
 from pipelinerl_jax.rollout.jax_scheduler import SlotScheduler, buckets
 from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES
-from pipelinerl_jax.types import Completion, GenerationRequest
+from pipelinerl_jax.records import Completion, GenerationRequest
 
 KV_POLICIES = ("keep", "recompute")
 KV_LAYOUTS = ("dense", "paged")

@@ -60,7 +60,7 @@ from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from pipelinerl_jax.rollout.prefix_cache import PrefixCache, full_pages_written, min_version
 from pipelinerl_jax.rollout.prompt_share import PromptShare, shares
 from pipelinerl_jax.rollout.sampling import RowParams
-from pipelinerl_jax.types import Completion, GenerationRequest
+from pipelinerl_jax.records import Completion, GenerationRequest
 
 
 def buckets(given: Sequence[int], smallest: int, top: int) -> tuple:

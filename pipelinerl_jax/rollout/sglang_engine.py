@@ -92,7 +92,7 @@ from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.security import RetryPolicy
 from pipelinerl_jax.transport import weight_sink
 from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
-from pipelinerl_jax.types import Completion, GenerationRequest
+from pipelinerl_jax.records import Completion, GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import rollout_pb2_grpc as pb_grpc
 from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb
@@ -128,7 +128,7 @@ class Batch:
     redelivered: bool
     delivery_count: int
 
-    def groups(self) -> list[list[types.Rollout]]:
+    def groups(self) -> list[list[records.Rollout]]:
         out: dict[str, list] = {}
         for r in self.rollouts:
             out.setdefault(r.group_id, []).append(r)
@@ -187,7 +187,7 @@ class RolloutQueueClient:
 
     # ---------------------------------------------------------------- producers
 
-    def _request(self, rollouts: Sequence[types.Rollout]) -> pb.PutRequest:
+    def _request(self, rollouts: Sequence[records.Rollout]) -> pb.PutRequest:
         request = pb.PutRequest(rollouts=[rollout_to_pb(r) for r in rollouts],
                                 request_id=uuid.uuid4().hex, hold_s=self.hold_s,
                                 producer_id=self.producer_id)
@@ -205,7 +205,7 @@ class RolloutQueueClient:
                                   f"{self.max_message_bytes}; put fewer rollouts at once")
         return request
 
-    def put(self, rollouts: Sequence[types.Rollout],
+    def put(self, rollouts: Sequence[records.Rollout],
             timeout_s: Optional[float] = None) -> PutResult:
         """Stores `rollouts` atomically, retrying backpressure and outages.
 
@@ -219,7 +219,7 @@ class RolloutQueueClient:
             _put_retryable, timeout_s)
         return PutResult(resp.accepted, resp.duplicate)
 
-    def put_group(self, rollouts: Sequence[types.Rollout],
+    def put_group(self, rollouts: Sequence[records.Rollout],
                   timeout_s: Optional[float] = None) -> PutResult:
         """`put` of exactly one whole group (checked here before anything is sent)."""
         if not rollouts:
@@ -232,7 +232,7 @@ class RolloutQueueClient:
                              f"group_size is {size}")
         return self.put(rollouts, timeout_s)
 
-    def put_stream(self, pieces: Iterable[Sequence[types.Rollout]],
+    def put_stream(self, pieces: Iterable[Sequence[records.Rollout]],
                    timeout_s: Optional[float] = None) -> list[PutResult]:
         """Sends each piece as one item of a PutStream; returns one result per piece.
 

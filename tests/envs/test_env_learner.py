@@ -13,7 +13,7 @@ from pipelinerl_jax.learner import batching
 from pipelinerl_jax.losses import LOSSES, LossInputs, get_loss
 from pipelinerl_jax.run_config import base_config, completion_tokens, resolve, validate
 from pipelinerl_jax.tasks import SyntheticStringTask
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 
 def agent_config(**env):

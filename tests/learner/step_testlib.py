@@ -13,7 +13,7 @@ from pipelinerl_jax import sharding
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.models import tiny_config
 from pipelinerl_jax.models.factory import create_model
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 VOCAB = 40
 MODEL = tiny_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=4,

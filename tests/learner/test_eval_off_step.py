@@ -18,7 +18,7 @@ from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox, due, eva
 from pipelinerl_jax.run_config import base_config
 from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 WAIT_S = 300.0  # only reached when the learner blocks on an evaluation: the test then fails
 

@@ -11,7 +11,7 @@ from pipelinerl_jax.run_config import optimizer_config
 from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.models import token_logprobs, tiny_config
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 VOCAB = 40
 CFG = tiny_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=4,

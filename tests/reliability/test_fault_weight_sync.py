@@ -19,7 +19,7 @@ from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from pipelinerl_jax.transport import weights
 from pipelinerl_jax.transport.queue_client import RetryPolicy
 from pipelinerl_jax.transport.weights import WeightSubscriber
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 from tests.reliability.reliability_testlib import tiny_config, weights_publisher_main
 
 pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)

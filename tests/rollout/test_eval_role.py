@@ -17,7 +17,7 @@ from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox, eval_roo
 from pipelinerl_jax.rollout.evaluator import eval_slots, eval_view
 from pipelinerl_jax.run_config import base_config, validate
 from pipelinerl_jax.tokenizer import get_tokenizer
-from pipelinerl_jax.types import Completion
+from pipelinerl_jax.records import Completion
 
 
 class _Engine:
