@@ -140,7 +140,7 @@ def eval_outbox(cfg, workdir: str, init_ckpt: str):
     dtypes."""
     if cfg.learner.eval_every <= 0:
         return None
-    from pipelinerl_jax.rollout.eval_versions import EvalOutbox, eval_root
+    from pipelinerl_jax.transport.eval_versions import EvalOutbox, eval_root
     from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
     save = hf_checkpoint_writer(init_ckpt, cfg.model.dtype, cfg.model.param_dtype)
     from pipelinerl_jax.models.lora import lora_spec, merged_writer

@@ -20,7 +20,7 @@ import threading
 from typing import Callable, Optional
 
 from pipelinerl_jax.metrics import EVAL_LOG
-from pipelinerl_jax.rollout.eval_versions import EvalInbox
+from pipelinerl_jax.transport.eval_versions import EvalInbox
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def run_evaluator(cfg, workdir: str, init_checkpoint: str,
     """The role (module docstring); returns the versions it evaluated."""
     from pipelinerl_jax.envs import build_task
     from pipelinerl_jax.metrics import MetricsWriter
-    from pipelinerl_jax.rollout.eval_versions import eval_root
+    from pipelinerl_jax.transport.eval_versions import eval_root
     from pipelinerl_jax.rollout.evaluator import Evaluator, eval_view
     from pipelinerl_jax.rollout.factory import make_engine
     from pipelinerl_jax.tokenizer import get_tokenizer
