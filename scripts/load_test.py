@@ -39,8 +39,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipelinerl_jax import records  # noqa: E402
-from pipelinerl_jax.transport.queue_client import (  # noqa: E402
-    QueueUnavailable, RetryPolicy, RolloutQueueClient)
+from pipelinerl_jax.transport.queue_client import QueueUnavailable, RolloutQueueClient  # noqa: E402
+from pipelinerl_jax.transport.retry import RetryPolicy  # noqa: E402
 
 CTX = mp.get_context("spawn")
 

@@ -31,7 +31,7 @@ import time
 import urllib.parse
 from typing import Any, Optional, Tuple
 
-from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 
 RETRY_STATUSES = (502, 503, 504)
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,

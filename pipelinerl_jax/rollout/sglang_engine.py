@@ -89,7 +89,7 @@ from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, 
                                                     answer_items, generate_body, parse_output)
 from pipelinerl_jax.rollout.sglang_servers import Server, ServerFleet
 from pipelinerl_jax.tokenizer import get_tokenizer
-from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport import weight_sink
 from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
 from pipelinerl_jax.records import Completion, GenerationRequest

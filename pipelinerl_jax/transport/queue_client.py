@@ -34,8 +34,8 @@ from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb
 from pipelinerl_jax.transport.queue_core import max_rollout_bytes
 from pipelinerl_jax.transport.queue_server import (
     BACKPRESSURE_KEY, DEFAULT_MAX_MESSAGE_BYTES, SERVICE)
-from pipelinerl_jax.transport.security import (  # noqa: F401 (RetryPolicy re-exported)
-    RetryPolicy, TLSConfig, call_metadata, make_channel)
+from pipelinerl_jax.transport.retry import RetryPolicy
+from pipelinerl_jax.transport.security import TLSConfig, call_metadata, make_channel
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})

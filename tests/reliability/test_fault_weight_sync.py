@@ -17,7 +17,7 @@ from pipelinerl_jax.tasks import get_task
 from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from pipelinerl_jax.transport import weights
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.weights import WeightSubscriber
 from pipelinerl_jax.records import GenerationRequest, SamplingParams
 from tests.reliability.reliability_testlib import tiny_config, weights_publisher_main

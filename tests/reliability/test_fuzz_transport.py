@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import weights, wire
 from pipelinerl_jax.transport.codec import Limits
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.queue_server import MAX_ID_CHARS, RolloutQueueServer
 from pipelinerl_jax.transport.weights import WeightSubscriber
 from tests.reliability import hostile

@@ -22,8 +22,9 @@ import pytest
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport.codec import Limits, rollout_to_pb, validate_rollout
 from pipelinerl_jax.transport.wire import len_field, varint as _varint
-from pipelinerl_jax.transport.queue_client import (
-    RetryPolicy, RolloutQueueClient, RolloutRejected, TransportError)
+from pipelinerl_jax.transport.queue_client import (RolloutQueueClient, RolloutRejected,
+                                                   TransportError)
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.queue_core import QueueCore
 from pipelinerl_jax.transport.queue_server import SERVICE, RolloutQueueServer
 from pipelinerl_jax.transport.security import load_token

@@ -7,7 +7,7 @@ import pytest
 from pipelinerl_jax.models import flat_params, from_pretrained, save_pretrained, tiny_config
 from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.run_config import base_config
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.versioned_dir import list_versions, version_dir
 from pipelinerl_jax.transport.weight_sink import (HFDirSink, StreamSink, hf_checkpoint_writer,
                                                   make_weight_sink, weights_dir)

@@ -12,7 +12,7 @@ import pytest
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import weights
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.security import TLSConfig
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
 from transport_testlib import eventually, publisher_main, self_signed_pair

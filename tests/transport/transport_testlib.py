@@ -64,7 +64,8 @@ def producer_main(address: str, producer: int, num_groups: int, group_size: int,
                   split_every: int, out_q, hold_s: float = 1.0, completion: int = 6) -> None:
     """Puts `num_groups` groups; every `split_every`-th group goes in two pieces with another
     group's put in between. Reports the client's retry counts."""
-    from pipelinerl_jax.transport.queue_client import RetryPolicy, RolloutQueueClient
+    from pipelinerl_jax.transport.queue_client import RolloutQueueClient
+    from pipelinerl_jax.transport.retry import RetryPolicy
     client = RolloutQueueClient(address, hold_s=hold_s,
                                 retry=RetryPolicy(initial_s=0.005, max_s=0.05))
     client.wait_ready(30)
