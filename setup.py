@@ -25,8 +25,8 @@ setup(
         "protobuf>=7.35.1,<8",
         "ml-dtypes>=0.5,<1",  # bfloat16 weights on the wire (also a jax dependency)
         "transformers>=4.50,<6",  # configs and tokenizers only; models are ours
-        "safetensors>=0.4,<1",
         "numpy>=1.26,<3",
+        "scipy>=1.11,<2",  # Student's t quantiles (ablation/stats.py); jax needs it too
         "matplotlib>=3.8,<4",
         "tqdm>=4.66,<5",
     ],
@@ -42,6 +42,7 @@ setup(
             # oracle for pipelinerl_jax/tb_events.py) and scripts/bench_metrics.py's baseline
             "tensorboardX>=2.6,<3",
             "peft>=0.21.2,<0.22",  # loads our exported LoRA adapters in the parity test
+            "safetensors>=0.4,<1",  # an independent reader of our files in tests (hf_io reads its own)
         ],
         # The TPU runtime and compiler (libtpu from PyPI): runs on a TPU VM, and on any CPU
         # host compiles a run's programs for a TPU topology (experiments/compile_check.py).

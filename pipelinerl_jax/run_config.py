@@ -59,7 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
     from pipelinerl_jax.models.lora import lora_config  # late: JAX
     from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
     from pipelinerl_jax.tasks import task_config  # late: JAX
-    from pipelinerl_jax.tokenizers import tokenizer_config  # late: JAX
+    from pipelinerl_jax.tokenizer import tokenizer_config  # late: JAX
     from pipelinerl_jax.transport import transport_config  # late: JAX
 
     c = ml_collections.ConfigDict()
@@ -277,7 +277,7 @@ def validate(cfg) -> None:
     from pipelinerl_jax.models.factory import validate_model_config  # late: JAX
     from pipelinerl_jax.models.lora import validate_lora_config  # late: JAX
     from pipelinerl_jax.rollout.factory import BACKENDS  # late: JAX
-    from pipelinerl_jax.tokenizers import get_tokenizer  # late: JAX
+    from pipelinerl_jax.tokenizer import get_tokenizer  # late: JAX
     from pipelinerl_jax.transport import validate_transport_config  # late: JAX
 
     check_keys(cfg, "", base_config().keys())
@@ -388,7 +388,7 @@ def validate(cfg) -> None:
 def resolve(cfg) -> ml_collections.ConfigDict:
     """Derived values filled in once, after validation (module docstring): the backends'
     contexts, the lag limits, and the transport section's bounds."""
-    from pipelinerl_jax.tokenizers import get_tokenizer  # late: JAX
+    from pipelinerl_jax.tokenizer import get_tokenizer  # late: JAX
     cfg = with_contexts(cfg)
     tok = get_tokenizer(cfg.tokenizer)
     cfg.transport.vocab_size = tok.vocab_size

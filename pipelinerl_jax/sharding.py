@@ -9,7 +9,8 @@ other rules), never the model.
     fsdp    batch split AND parameters sharded along `embed` (ZeRO-3 style: gathered per use)
     tensor  Megatron-style tensor parallelism over heads / mlp / vocab
 
-Parameters are created (`create_model`) or loaded (`hf_io.from_pretrained`) straight into
+This module knows no model: `models/` builds on it. Parameters are created
+(`models.factory.create_model`) or loaded (`models.hf_io.from_pretrained`) straight into
 their shardings: an abstract model from `nnx.eval_shape`, then a jitted init with
 `out_shardings` (big_vision style), or a host→devices `device_put` per tensor, so no full copy
 ever lands on a single device first.
@@ -92,8 +93,9 @@ def _check_divisible(name: str, shape, spec: P, mesh: Mesh):
                 f"dim {dim} (size {size}) over mesh axes {axes} ({parts} parts)")
 
 
-def path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+def _name(path) -> str:
+    """A parameter's path as `models.params.flat_params` names it ("layers/0/attn/q_proj")."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def state_shardings(abstract_state, mesh: Optional[Mesh], rules=DEFAULT_RULES):
@@ -103,7 +105,7 @@ def state_shardings(abstract_state, mesh: Optional[Mesh], rules=DEFAULT_RULES):
 
     def one(path, var):
         spec = logical_to_spec(var.get_metadata().get("logical_axes"), rules)
-        _check_divisible(path_name(path), var.shape, spec, mesh)
+        _check_divisible(_name(path), var.shape, spec, mesh)
         return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(
@@ -116,29 +118,8 @@ def param_specs(model_or_state, rules=DEFAULT_RULES) -> dict:
     out = {}
     for path, var in jax.tree_util.tree_flatten_with_path(
             state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        out[path_name(path)] = logical_to_spec(var.get_metadata().get("logical_axes"), rules)
+        out[_name(path)] = logical_to_spec(var.get_metadata().get("logical_axes"), rules)
     return out
-
-
-def create_model(cfg, mesh: Optional[Mesh] = None, seed: int = 0, rules=DEFAULT_RULES,
-                 lora=None):
-    """A randomly initialised `Decoder` whose parameters are born in their shardings; with
-    `lora` (a `models.lora.LoRASpec`), fresh adapters too (the base is the same as without)."""
-    from pipelinerl_jax.models.lora import add_lora  # cycle: models import sharding
-    from pipelinerl_jax.models.model import Decoder
-
-    def build():
-        model = Decoder(cfg, nnx.Rngs(seed))
-        return model if lora is None else add_lora(model, lora, nnx.Rngs(seed + 1))
-
-    abstract = nnx.eval_shape(build)
-    graphdef, abs_state = nnx.split(abstract)
-    shardings = state_shardings(abs_state, mesh, rules)
-
-    def init():
-        return nnx.state(build())
-
-    return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())
 
 
 def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:

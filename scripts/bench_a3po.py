@@ -30,6 +30,7 @@ from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.models import config_qwen2_5_0_5b, tiny_config
 from pipelinerl_jax.run_config import base_config
+from pipelinerl_jax.models.factory import create_model
 from scripts.bench_real_size import synthetic_rollouts
 
 
@@ -46,7 +47,7 @@ def main():
 
     cfg = tiny_config("qwen2") if a.smoke else config_qwen2_5_0_5b()
     mesh = sharding.make_mesh((1, 1, 1))
-    model = sharding.create_model(cfg, mesh, seed=0)
+    model = create_model(cfg, mesh, seed=0)
     optimizer, _ = ts.make_optimizer(base_config().learner.optimizer)
     state = ts.init_state(model, optimizer, mesh)
     rollouts = [dataclasses.replace(r, version=np.zeros_like(r.version))

@@ -33,7 +33,7 @@ import numpy as np
 
 from pipelinerl_jax.models import Decoder, config_100m, save_pretrained, tiny_config
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 
 TUNIX_PYTHON = "/tmp/tunix-venv/bin/python"
 STRAGGLER_MODEL = tiny_config(vocab_size=4096, hidden_size=512, intermediate_size=1536,

@@ -42,6 +42,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from pipelinerl_jax import sharding  # noqa: E402
+from pipelinerl_jax.models.factory import create_model  # noqa: E402
 from pipelinerl_jax.learner import batching, loop, train_step as ts  # noqa: E402
 from pipelinerl_jax.models import (Decoder, config_qwen2_5_0_5b, flat_params,  # noqa: E402
                                    tiny_config)
@@ -118,7 +119,7 @@ def time_learner(cfg, spec, a) -> dict:
     run = base_config()
     run.learner.micro_batches = a.micro_batches
     mesh = sharding.make_mesh((1, 1, 1))
-    model = sharding.create_model(cfg, mesh, seed=0, lora=spec)
+    model = create_model(cfg, mesh, seed=0, lora=spec)
     optimizer, _ = ts.make_optimizer(run.learner.optimizer)
     state = ts.init_state(model, optimizer, mesh)
     step = loop.make_step(run, model, optimizer, mesh, state)

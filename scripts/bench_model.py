@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.models import config_100m, tiny_config, token_logprobs
 
 
@@ -50,7 +50,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 10, dtype=jnp.float32) -> float:
 
 
 def bench_model(cfg, batch: int, seq: int, peak_gflops: float, repeats: int) -> dict:
-    model = sharding.create_model(cfg)
+    model = create_model(cfg)
     graphdef, params = nnx.split(model)
     ids = jax.random.randint(jax.random.key(2), (batch, seq), 0, cfg.vocab_size, jnp.int32)
 

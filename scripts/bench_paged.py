@@ -68,7 +68,7 @@ from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.tasks.synthetic import SyntheticStringTask  # noqa: E402
 from pipelinerl_jax.sim.paged import weighted_median  # noqa: E402
-from pipelinerl_jax.types import GenerationRequest, SamplingParams  # noqa: E402
+from pipelinerl_jax.records import GenerationRequest, SamplingParams  # noqa: E402
 
 MAX_SEQ_LEN = 256  # the sampler-bound config's context: 128 prompt + 127 answer tokens
 # the talk-shaped tail (module docstring): body median / p99 (~40 s) in tokens, tail to 3x

@@ -51,6 +51,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from pipelinerl_jax import sharding  # noqa: E402
+from pipelinerl_jax.models.factory import create_model  # noqa: E402
 from pipelinerl_jax.learner import batching, train_step as ts  # noqa: E402
 from pipelinerl_jax.losses import get_loss  # noqa: E402
 from pipelinerl_jax.models import ModelConfig, from_pretrained, save_pretrained  # noqa: E402
@@ -59,7 +60,7 @@ from pipelinerl_jax.models.config import dtype_of  # noqa: E402
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.run_config import optimizer_config  # noqa: E402
-from pipelinerl_jax.types import GenerationRequest, Rollout, SamplingParams  # noqa: E402
+from pipelinerl_jax.records import GenerationRequest, Rollout, SamplingParams  # noqa: E402
 from scripts.bench_model import matmul_gflops  # noqa: E402
 
 
@@ -331,7 +332,7 @@ def main():
     ckpt = os.path.join(workdir, "qwen2.5-0.5b-random")
     t = time.perf_counter()
     if not os.path.exists(os.path.join(ckpt, "config.json")):  # a rerun reuses it
-        save_pretrained(sharding.create_model(cfg, seed=0), ckpt)
+        save_pretrained(create_model(cfg, seed=0), ckpt)
     write_s = time.perf_counter() - t
     dev = jax.devices()[0]
     peaks = measured_peaks(a.matmul_n, 10, dtype_of(a.dtype),

@@ -42,6 +42,7 @@ from pipelinerl_jax.models.config import dtype_of  # noqa: E402
 from pipelinerl_jax.models.params import reshard  # noqa: E402
 from pipelinerl_jax.rollout.engine_programs import engine_programs  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import engine_config  # noqa: E402
+from pipelinerl_jax.models.factory import create_model
 
 
 def main():
@@ -58,7 +59,7 @@ def main():
     learner_mesh = sharding.make_mesh((1, 2, 2), devices[:4])
     engine_mesh = sharding.make_mesh((1, 1, 2), devices[4:6])
     t = time.perf_counter()
-    model = sharding.create_model(cfg, learner_mesh, seed=0)  # born in the learner's layout
+    model = create_model(cfg, learner_mesh, seed=0)  # born in the learner's layout
     learner = flat_params(model, host=False)
     build_s = time.perf_counter() - t
     ecfg = engine_config()

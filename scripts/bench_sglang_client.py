@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine  # noqa: E402
 from pipelinerl_jax.testing.sglang_process import ServerProcess  # noqa: E402
-from pipelinerl_jax.types import GenerationRequest, SamplingParams  # noqa: E402
+from pipelinerl_jax.records import GenerationRequest, SamplingParams  # noqa: E402
 
 
 def req(rid, n=1, seed=None, max_new=16):

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from pipelinerl_jax.tasks import get_task, task_config
-from pipelinerl_jax.tokenizers import CharTokenizer
+from pipelinerl_jax.tokenizer import CharTokenizer
 
 
 def rate(fn, items) -> float:

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipelinerl_jax import types  # noqa: E402
+from pipelinerl_jax import records  # noqa: E402
 from pipelinerl_jax.transport.queue_client import RolloutQueueClient  # noqa: E402
 from pipelinerl_jax.transport.weight_version import WeightVersion  # noqa: E402
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber  # noqa: E402
@@ -118,7 +118,7 @@ def _rollouts(group_id: str, tokens: int) -> list:
     comp = rng.integers(0, 32000, tokens, dtype=np.int32)
     logp = -rng.random(tokens, dtype=np.float32)
     ver = np.zeros(tokens, np.int32)
-    return [types.Rollout(prompt, comp, logp, ver, ver, 1.0, 0.0, group_id, GROUP_SIZE,
+    return [records.Rollout(prompt, comp, logp, ver, ver, 1.0, 0.0, group_id, GROUP_SIZE,
                           metrics={"t_put": 0.0}) for _ in range(GROUP_SIZE)]
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.learner import multihost
 from pipelinerl_jax.models import flat_params
 from pipelinerl_jax.learner.publication import Publication
@@ -47,6 +47,7 @@ from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.transport.weight_sink import StreamSink
 from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
+from pipelinerl_jax.models.factory import create_model
 
 
 MODELS = {"100m": config_100m, "qwen2.5-0.5b": config_qwen2_5_0_5b}
@@ -64,7 +65,7 @@ def make_step(graphdef):
 
 
 def run(mode: str, cfg, steps: int, batch: int, seq: int) -> dict:
-    graphdef, params = nnx.split(sharding.create_model(cfg))
+    graphdef, params = nnx.split(create_model(cfg))
     params = jax.tree.map(jnp.asarray, nnx.to_pure_dict(params))
     step = make_step(graphdef)
     ids = jax.random.randint(jax.random.key(0), (batch, seq), 0, cfg.vocab_size, jnp.int32)
@@ -105,7 +106,7 @@ def _pointer(a) -> int:
 def learner_side_copies(cfg) -> dict:
     """The learner's side of a full version (`Publication.submit` + its thread): the on-device
     snapshot, then the device-to-host fetch; 1 where a copy was made."""
-    params = nnx.state(sharding.create_model(cfg), nnx.Param)
+    params = nnx.state(create_model(cfg), nnx.Param)
     leaf = jax.tree.leaves(params)[0]
     snap = multihost.snapshot_params(params)
     snap_leaf = jax.tree.leaves(snap)[0]
@@ -116,13 +117,13 @@ def learner_side_copies(cfg) -> dict:
 
 def publish_to_live(cfg, lora, versions: int) -> dict:
     """Median seconds from `publish` to the engine serving the version; full-copy counts."""
-    learner = sharding.create_model(cfg, lora=lora)
+    learner = create_model(cfg, lora=lora)
     flat = flat_params(learner)
     payload = adapter_params(flat) if lora is not None else flat
     base_sha = hashlib.sha256(b"bench base").hexdigest()  # what describe_run would hash
     describes = WeightVersion("full") if lora is None else WeightVersion("lora", base_sha, lora)
     del learner, flat
-    engine = JaxEngine(sharding.create_model(cfg), dict(max_slots=1, max_seq_len=64,
+    engine = JaxEngine(create_model(cfg), dict(max_slots=1, max_seq_len=64,
                                                         dtype="bfloat16"),
                        version=0, serves=describes)
     pub = WeightPublisher("127.0.0.1:0")

@@ -38,16 +38,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipelinerl_jax import types  # noqa: E402
-from pipelinerl_jax.transport.queue_client import (  # noqa: E402
-    QueueUnavailable, RetryPolicy, RolloutQueueClient)
+from pipelinerl_jax import records  # noqa: E402
+from pipelinerl_jax.transport.queue_client import QueueUnavailable, RolloutQueueClient  # noqa: E402
+from pipelinerl_jax.transport.retry import RetryPolicy  # noqa: E402
 
 CTX = mp.get_context("spawn")
 
 
 def make_group(gid: str, size: int, completion: int, version: int, seed: int) -> list:
     rng = np.random.default_rng(seed)
-    return [types.Rollout(
+    return [records.Rollout(
         prompt_ids=rng.integers(0, 1000, 32).astype(np.int32),
         completion_ids=rng.integers(0, 1000, completion).astype(np.int32),
         logp_behaviour=-rng.random(completion).astype(np.float32),

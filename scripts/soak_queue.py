@@ -61,8 +61,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from load_test import make_group, rss_mb  # noqa: E402
 from pipelinerl_jax.transport import rollout_pb2 as pb  # noqa: E402
 from pipelinerl_jax.transport.codec import rollout_to_pb  # noqa: E402
-from pipelinerl_jax.transport.queue_client import (  # noqa: E402
-    QueueUnavailable, RetryPolicy, RolloutQueueClient, TransportError)
+from pipelinerl_jax.transport.queue_client import QueueUnavailable, RolloutQueueClient, TransportError  # noqa: E402
+from pipelinerl_jax.transport.retry import RetryPolicy  # noqa: E402
 from pipelinerl_jax.transport.queue_core import REMEMBER_BYTES, max_rollout_bytes  # noqa: E402
 from pipelinerl_jax.transport.queue_server import SERVICE  # noqa: E402
 from pipelinerl_jax.transport.wire import len_field  # noqa: E402

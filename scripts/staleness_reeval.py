@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     from pipelinerl_jax.models import flat_params
     from pipelinerl_jax.rollout.evaluator import Evaluator
     from pipelinerl_jax.envs import build_task
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
 
     done = set()
     if os.path.exists(a.out):

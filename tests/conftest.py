@@ -23,6 +23,29 @@ from pipelinerl_jax import compile_cache  # noqa: E402
 
 compile_cache.enable()
 
+from tests.optional_deps import CI_MAY_SKIP, in_ci  # noqa: E402
+
+def _ci_skip_failure(report, why: str):
+    report.outcome = "failed"
+    report.longrepr = (f"skipped in CI (CI=true: nothing may be skipped, pytest.ini): {why}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if in_ci() and report.skipped and not hasattr(report, "wasxfail") \
+            and not any(item.get_closest_marker(m) for m in CI_MAY_SKIP):
+        _ci_skip_failure(report, str(report.longrepr))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if in_ci() and report.skipped:
+        _ci_skip_failure(report, str(report.longrepr))
+
 
 @pytest.fixture
 def eight_devices():

@@ -19,13 +19,13 @@ TINY_FLAGS = (
 
 def make_init_checkpoint(path: str, seed: int = 0) -> str:
     """A random tiny model saved in HF format (stands in for the warm start)."""
-    from pipelinerl_jax import sharding
+    from pipelinerl_jax.models.factory import create_model
     from pipelinerl_jax.models import save_pretrained, tiny_config
-    from pipelinerl_jax.tokenizers import CharTokenizer
+    from pipelinerl_jax.tokenizer import CharTokenizer
     cfg = tiny_config(vocab_size=CharTokenizer().vocab_size, hidden_size=32,
                       intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
                       max_position_embeddings=32)
-    save_pretrained(sharding.create_model(cfg, seed=seed), path)
+    save_pretrained(create_model(cfg, seed=seed), path)
     return path
 
 

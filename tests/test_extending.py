@@ -15,7 +15,7 @@ import pytest
 
 from pipelinerl_jax import config as cfg_lib
 from pipelinerl_jax import envs, run_config
-from pipelinerl_jax.tokenizers import CharTokenizer, get_tokenizer
+from pipelinerl_jax.tokenizer import CharTokenizer, get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def test_a_new_loss_is_configured_and_validated_by_the_run_config(topr):
 def test_a_new_loss_trains_through_the_learner_step(topr):
     """Independent oracles through the jitted train step: on positive advantages TOPR is
     REINFORCE, on negative ones it is token TIS with cap `neg_cap`; on a mix it is neither."""
-    from tests.learner.test_learner_step import _rollouts, _train
+    from tests.learner.step_testlib import _rollouts, _train
 
     def train(loss, rollouts, **hp):
         cfg = run_config.base_config()
@@ -173,7 +173,7 @@ def test_a_new_backend_is_a_sampler_kind_the_worker_drives(echo_backend, tmp_pat
     from pipelinerl_jax.rollout.worker import RolloutWorker
     from pipelinerl_jax.tasks import get_task
     from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
-    from pipelinerl_jax.types import GenerationRequest, SamplingParams
+    from pipelinerl_jax.records import GenerationRequest, SamplingParams
     cfg = run_config.base_config()
     cfg.sampler.kind = "echo"
     cfg.echo.repeat = 0

@@ -3,7 +3,6 @@ publishes only adapters, the rollout worker's JaxEngine merges each version, the
 scores merged HF directories, and checkpoints hold no base weights."""
 import os
 
-import orbax.checkpoint as ocp
 import pytest
 
 from pipelinerl_jax.learner.checkpoint import Checkpointer
@@ -38,7 +37,7 @@ def test_lora_pipeline_publishes_adapters_and_checkpoints_only_them(tmp_path):
     assert max(x.size for x in leaves) == 64 * 2
     # ... and name the base they belong to
     ckpt = Checkpointer(str(workdir / "checkpoints"))
-    meta = ckpt._mngr.restore(4, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    meta = ckpt.read_state(4)[1]
     ckpt.close()
     assert meta["lora_base"] == base_identity(str(tmp_path / "init"))
     assert sum(1 for x in leaves if x.ndim >= 2) == 3 * 2 * 7 * 2  # params, mu, nu

@@ -11,9 +11,12 @@ import subprocess
 import sys
 
 import numpy as np
-from tensorboardX.proto import event_pb2
+import pytest
 
 from pipelinerl_jax.metrics import MetricsWriter
+from tests.optional_deps import optional
+
+event_pb2 = optional("tensorboardX.proto.event_pb2")
 
 
 def _crc32c(data: bytes) -> int:
@@ -117,6 +120,7 @@ def test_hostile_values_and_steps_are_encoded_as_protobuf_would(tmp_path):
     assert len(events) == 3 and events[0].file_version == "brain.Event:2"  # no empty event
 
 
+@pytest.mark.slow  # a fresh interpreter, to see what importing the writer imports
 def test_writing_metrics_imports_neither_tensorboardx_nor_torch(tmp_path):
     code = ("import sys; from pipelinerl_jax.metrics import MetricsWriter; "
             f"w = MetricsWriter({str(tmp_path)!r}); w.write(1, {{'x': 1.0, 'h': [1, 2]}}); "

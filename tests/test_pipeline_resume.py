@@ -24,11 +24,9 @@ def _final_params(workdir):
     import jax
     from pipelinerl_jax.learner.checkpoint import Checkpointer
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-    step = ckpt.latest_step()
-    import orbax.checkpoint as ocp
-    out = ckpt._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    state, _, step = ckpt.read_state()
     ckpt.close()
-    return step, jax.tree.leaves(jax.device_get(out["state"]))
+    return step, jax.tree.leaves(state)
 
 
 def _pids(pattern):

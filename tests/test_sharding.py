@@ -7,6 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.models import from_pretrained, save_pretrained, tiny_config
 
 pytestmark = pytest.mark.usefixtures("eight_devices")  # fails, never skips, on fewer
@@ -19,7 +20,7 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def sharded_model(mesh):
-    return sharding.create_model(tiny_config(tie_word_embeddings=False), mesh, seed=7)
+    return create_model(tiny_config(tie_word_embeddings=False), mesh, seed=7)
 
 
 def test_parameters_carry_rule_shardings(sharded_model):
@@ -66,7 +67,7 @@ def test_from_pretrained_places_into_mesh(sharded_model, mesh, tmp_path):
 def test_mesh_that_does_not_divide_fails_clearly():
     cfg = tiny_config(num_heads=6, num_kv_heads=3, head_dim=16)  # 3 kv heads over tensor=2
     with pytest.raises(sharding.ShardingError, match=r"k_proj.*dim 1 \(size 3\)"):
-        sharding.create_model(cfg, sharding.make_mesh((2, 2, 2)))
+        create_model(cfg, sharding.make_mesh((2, 2, 2)))
 
 
 def test_mesh_larger_than_devices_fails():

@@ -420,7 +420,7 @@ def _task_target_lengths(cfg: dict, n: int = 5000) -> Optional[np.ndarray]:
     task, or None when the run's config cannot rebuild its task."""
     try:
         from pipelinerl_jax.tasks import get_task, task_config  # lengths figure only
-        from pipelinerl_jax.tokenizers import get_tokenizer, tokenizer_config  # lengths figure only
+        from pipelinerl_jax.tokenizer import get_tokenizer, tokenizer_config  # lengths figure only
         tc = task_config(cfg["task"]["name"])
         tc.update(cfg["task"])
         kc = tokenizer_config()

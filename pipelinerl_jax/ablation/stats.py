@@ -9,7 +9,7 @@ the sampling seed and the lag-injection seed, so cells that share seeds are comp
 per-seed differences (a paired t-interval, n-1 df). Cells without >= 2 shared seeds fall back
 to Welch's unpaired interval. With n = 3 a t-interval is wide (t = 4.30 at 2 df): a cell is
 called better or worse only when the whole interval of the difference is on one side of 0.
-The t quantile is computed here (regularized incomplete beta) so nothing needs scipy.
+Student's t quantiles are scipy's (`scipy.stats.t`; scipy is a dependency of jax).
 """
 from __future__ import annotations
 
@@ -18,66 +18,21 @@ import math
 from typing import Dict, Hashable, Optional, Sequence
 
 import numpy as np
+import scipy.stats
 
 LEVEL = 0.95
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b), 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                 + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with `df` (> 0, not necessarily integer) degrees of freedom."""
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t > 0 else tail
+    return float(scipy.stats.t.cdf(t, df))
 
 
 def t_ppf(q: float, df: float) -> float:
-    """The q-quantile of Student's t (bisection on t_cdf; 1e-12 absolute)."""
+    """The q-quantile of Student's t."""
     if not 0.0 < q < 1.0:
         raise ValueError(f"q must be in (0, 1), got {q}")
-    if q < 0.5:
-        return -t_ppf(1.0 - q, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < q:
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if t_cdf(mid, df) < q:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-12:
-            break
-    return 0.5 * (lo + hi)
+    return float(scipy.stats.t.ppf(q, df))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,7 @@ from pipelinerl_jax.rollout.engine_programs import engine_mesh, engine_programs
 from pipelinerl_jax.rollout.jax_scheduler import buckets
 from pipelinerl_jax.rollout.page_allocator import pages_for
 from pipelinerl_jax.run_config import completion_tokens
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 
 # The TPU kernel's block sizes for an ahead-of-time compile (its tuned table reads the
 # default device, which is the CPU host's here): KV pages per block at most this, and no more

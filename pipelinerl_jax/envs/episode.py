@@ -5,7 +5,7 @@ order); `loss_mask` is 1 on model tokens and 0 on env tokens; `logp_behaviour`, 
 `kv_version` are the engine's values on model tokens and neutral on env tokens (0, and the
 previous model token's versions, so every array passes the queue's checks); `turn_index`
 gives each token's turn (an env reply belongs to the turn it answers). `rollout_fields`
-gives the `types.Rollout` fields plus `loss_mask` / `turn_index`, the two arrays a
+gives the `records.Rollout` fields plus `loss_mask` / `turn_index`, the two arrays a
 multi-segment rollout adds to the wire.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Episode:
 
     def rollout_fields(self, advantage: float, group_size: int,
                        group_id: Optional[str] = None) -> Dict[str, Any]:
-        """The `types.Rollout` fields of this episode plus `loss_mask` and `turn_index`
+        """The `records.Rollout` fields of this episode plus `loss_mask` and `turn_index`
         (what a multi-segment rollout adds to the wire). `group_id` defaults to the group the
         episode ran in, else its own id."""
         return dict(

@@ -43,7 +43,7 @@ from pipelinerl_jax.envs.episode import Episode, TurnRecord
 from pipelinerl_jax.envs.tools import EnvGarbage, StepRaised, ToolPool, run_step
 from pipelinerl_jax.rollout.engine import RequestError
 from pipelinerl_jax.tasks.base import Problem
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 
 
 class _Live:

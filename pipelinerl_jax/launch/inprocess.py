@@ -106,7 +106,7 @@ def train(cfg, workdir: str, init_ckpt: str, stop: Optional[threading.Event] = N
     from pipelinerl_jax.rollout.eval_role import InlineEvaluator
     from pipelinerl_jax.rollout.factory import make_engine
     from pipelinerl_jax.rollout.worker import RolloutWorker
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
     from pipelinerl_jax.transport.local_queue import LocalQueue
     tok, task = get_tokenizer(cfg.tokenizer), build_task(cfg)
     queue = LocalQueue.from_config(cfg.transport)

@@ -55,7 +55,7 @@ def _free_port(host: str) -> int:
 
 def launch(cfg, workdir: str, progress: bool = True) -> dict:
     """Runs a whole experiment; returns the learner's final metrics (see module docstring)."""
-    from pipelinerl_jax.rollout.eval_versions import clear_final, eval_root
+    from pipelinerl_jax.transport.eval_versions import clear_final, eval_root
 
     run_config.validate(cfg)
     cfg = run_config.resolve(cfg)

@@ -140,7 +140,7 @@ def eval_outbox(cfg, workdir: str, init_ckpt: str):
     like `init_ckpt` in the learner's dtypes, or under LoRA the adapters' PEFT directories)."""
     if cfg.learner.eval_every <= 0:
         return None
-    from pipelinerl_jax.rollout.eval_versions import EvalOutbox, eval_root
+    from pipelinerl_jax.transport.eval_versions import EvalOutbox, eval_root
     from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
     from pipelinerl_jax.transport.weight_version import describe_run
     describes = describe_run(cfg, init_ckpt)
@@ -150,11 +150,11 @@ def eval_outbox(cfg, workdir: str, init_ckpt: str):
 
 
 def evaluated_sft(cfg, workdir: str, progress: bool = True) -> dict:
-    """`run_sft` with held-out accuracy of the model's current parameters as its `evaluate`
-    (none if eval_size is 0): one embedded evaluator engine serves every call (the first
+    """The warm start's SFT (`sft_on_demonstrations`) with held-out accuracy of the model's
+    current parameters as its `evaluate` (none if eval_size is 0): one embedded evaluator engine serves every call (the first
     loads it from the model, later ones install the parameters as version `step`) and is
     closed when SFT ends."""
-    from pipelinerl_jax.learner.sft import run_sft
+    from pipelinerl_jax.launch.demonstrations import sft_on_demonstrations
     held = {}
 
     def evaluate(model, step: int = 0):
@@ -162,13 +162,13 @@ def evaluated_sft(cfg, workdir: str, progress: bool = True) -> dict:
         if "ev" not in held:
             from pipelinerl_jax.envs import build_task
             from pipelinerl_jax.rollout.evaluator import Evaluator
-            from pipelinerl_jax.tokenizers import get_tokenizer
+            from pipelinerl_jax.tokenizer import get_tokenizer
             held["ev"] = Evaluator.embedded(cfg, model, build_task(cfg),
                                             get_tokenizer(cfg.tokenizer))
             return held["ev"].run(0)
         return held["ev"](flat_params(model), step)
     try:
-        return run_sft(cfg, workdir, progress=progress,
+        return sft_on_demonstrations(cfg, workdir, progress=progress,
                        evaluate=evaluate if cfg.learner.eval_size > 0 else None)
     finally:
         if "ev" in held:
@@ -179,7 +179,7 @@ def _run_worker(cfg, workdir: str, index: int, init_ckpt: str, stop: threading.E
     from pipelinerl_jax.rollout.factory import make_engine
     from pipelinerl_jax.envs import build_task
     from pipelinerl_jax.rollout.worker import RolloutWorker
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
     from pipelinerl_jax.transport import (RolloutQueueClient, WeightSubscriber, client_kwargs,
                                           queue_address, subscriber_kwargs, weights_address)
     tok, task = get_tokenizer(cfg.tokenizer), build_task(cfg)  # single-turn or environment

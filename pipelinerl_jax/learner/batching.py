@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 PACKED_KEYS = ("input_ids", "targets", "positions", "segment_ids")  # [chunks, R, pack_len]
 SEQ_KEYS = ("gather_idx", "loss_mask", "logp_behaviour", "advantages", "lag", "kv_lag",

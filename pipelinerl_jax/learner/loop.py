@@ -13,7 +13,7 @@ The learner is handed its parts and knows no engine: batches come from the `batc
 it is handed (the queue client on process 0, a stand-in elsewhere or in a test), weights leave
 through the `weight_sink` it is handed (`transport.weight_sink`: a stream of arrays or HF
 directories, the launcher chooses), the versions held-out evaluation measures go to the
-`evals` outbox it is handed (`rollout.eval_versions.EvalOutbox`; the evaluator role evaluates
+`evals` outbox it is handed (`transport.eval_versions.EvalOutbox`; the evaluator role evaluates
 them in its own process, off the step), and under lag injection `lag_injection.LagInjector`
 says which version's params to ship. The loss says what it needs (its resolved aggregation,
 whether it uses the proximal policy). The state the loop changes is explicit: `Progress` (steps, version,
@@ -66,7 +66,7 @@ from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import flat_params, from_pretrained
 from pipelinerl_jax.models.lora import attach_lora, base_identity, lora_spec
 from pipelinerl_jax.run_config import completion_tokens
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
 
 log = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
 
     `batches`: the `BatchSource` batches come from and versions and acks go to.
     `weight_sink`: a `transport.weight_sink.WeightSink` every version goes out through.
-    The caller builds and closes both. `evals`: a `rollout.eval_versions.EvalOutbox`, or None
+    The caller builds and closes both. `evals`: a `transport.eval_versions.EvalOutbox`, or None
     (no held-out evaluation, or not this process's job): the versions due for evaluation
     (step 0, every `learner.eval_every` steps, the last) go there; the evaluator role writes
     their `eval/*` records (`eval.jsonl`, merged by `metrics.read_metrics`).

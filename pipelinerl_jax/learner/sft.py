@@ -7,18 +7,19 @@ completion token (−Σ m·logp / Σ m), so this reuses the learner's packing an
 step rather than a second training path. The result is a standard HF checkpoint directory
 (`save_pretrained`) that RL, the embedded engine and SGLang servers all load.
 
-For an environment (`envs.EnvTask`) a demonstration is a whole correct episode laid out as
-the runner lays it out (`envs.encode_demonstration`): tool replies are in the sequence as
-context but masked out of the loss, so the warm start never learns to write them itself.
+The learner trains on tokens: the demonstrations arrive as advantage-1 `Rollout`s (with a
+loss mask where the sequence holds context the model must not learn to write, e.g. tool
+replies). Encoding a task's or an environment's demonstrations is the warm start's job
+(`launch.demonstrations`).
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from typing import Iterator
 
 import jax
-import numpy as np
 from flax import nnx
 
 from pipelinerl_jax import sharding as sharding_lib
@@ -26,29 +27,16 @@ from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.metrics import MetricsWriter
 from pipelinerl_jax.models.factory import build_model
 from pipelinerl_jax.models.hf_io import save_pretrained
-from pipelinerl_jax.envs import EnvTask, build_task, encode_demonstration
+from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.run_config import completion_tokens
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 
-def demo_rollouts(task, tok, seed: int):
-    """An endless stream of demonstrations as advantage-1 rollouts (module docstring)."""
-    for problem, target in task.demonstrations(seed):
-        mask = None
-        if isinstance(task, EnvTask):
-            prompt, completion, mask = encode_demonstration(task, tok, problem)
-        else:
-            prompt = np.asarray(tok.encode_prompt(problem.prompt), np.int32)
-            completion = np.asarray(tok.encode_completion(target), np.int32)
-        zeros_i = np.zeros(len(completion), np.int32)
-        yield Rollout(prompt_ids=prompt, completion_ids=completion,
-                      logp_behaviour=np.zeros(len(completion), np.float32),
-                      version=zeros_i, kv_version=zeros_i, reward=1.0, advantage=1.0,
-                      group_id=problem.id, group_size=1, loss_mask=mask)
-
-
-def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
-    """Trains `cfg.warm_start.steps` steps and saves `workdir/model`. Returns a summary dict.
+def run_sft(cfg, workdir: str, demos: Iterator[Rollout], tok, progress: bool = True,
+            evaluate=None) -> dict:
+    """Trains `cfg.warm_start.steps` steps on `demos` (an endless stream of advantage-1
+    rollouts, `cfg.warm_start.batch_size` a step) and saves `workdir/model`. `tok` gives the
+    vocabulary size and the pad id. Returns a summary dict.
 
     `evaluate(model, step) -> dict` (optional; e.g. held-out greedy accuracy,
     `launch.roles.evaluated_sft` passes one) is called at the end, and with `warm_start.target_accuracy`
@@ -59,11 +47,6 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     start"); stopping at a target lands where RL starts on purpose. The summary records
     `stopped_at` and `target_reached`; `sft_metrics.jsonl` every evaluation.
     """
-    from pipelinerl_jax.losses import get_loss
-    from pipelinerl_jax.tokenizers import get_tokenizer
-
-    tok = get_tokenizer(cfg.tokenizer)
-    task = build_task(cfg)
     mesh = sharding_lib.make_mesh(tuple(cfg.mesh.shape))
     model = build_model(cfg.model, tok.vocab_size, mesh, seed=cfg.seed)
     graphdef = nnx.graphdef(model)
@@ -76,7 +59,6 @@ def run_sft(cfg, workdir: str, progress: bool = True, evaluate=None) -> dict:
     pack_kw = dict(num_seqs=s.batch_size, chunks=s.micro_batches, pack_len=cfg.model.max_seq_len,
                    completion_len=completion_tokens(cfg),
                    row_divisor=sharding_lib.batch_divisor(mesh), pad_id=tok.pad_id)
-    demos = demo_rollouts(task, tok, cfg.seed)
     writer = MetricsWriter(workdir, "sft_metrics.jsonl")
     bar = None
     if progress:

@@ -1,4 +1,5 @@
-"""The `model` config section: a tiny/100M preset built from scratch, or a local HF checkpoint.
+"""The `model` config section: a tiny/100M preset built from scratch, or a local HF checkpoint;
+and `create_model`, a random `Decoder` born in its shardings.
 
     config.model.init = 'scratch'   # sizes below; vocab from the tokenizer
     config.model.init = 'hf'        # config.model.path = a local HF directory (never a hub id)
@@ -7,12 +8,16 @@ from __future__ import annotations
 
 import os
 
+import jax
 import ml_collections
+from flax import nnx
 
 from pipelinerl_jax import config as C
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models.config import ModelConfig, dtype_of
 from pipelinerl_jax.models.hf_io import from_pretrained, load_config
+from pipelinerl_jax.models.lora import add_lora
+from pipelinerl_jax.models.model import Decoder
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -97,4 +102,24 @@ def build_model(cfg, vocab_size: int, mesh=None, seed: int = 0,
     if cfg.init == "hf":
         return from_pretrained(cfg.path, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                                mesh=mesh, rules=rules)
-    return sharding_lib.create_model(resolve_model_config(cfg, vocab_size), mesh, seed, rules)
+    return create_model(resolve_model_config(cfg, vocab_size), mesh, seed, rules)
+
+
+def create_model(cfg: ModelConfig, mesh=None, seed: int = 0, rules=sharding_lib.DEFAULT_RULES,
+                 lora=None) -> Decoder:
+    """A randomly initialised `Decoder` whose parameters are born in their shardings: an
+    abstract model from `nnx.eval_shape`, then a jitted init with `out_shardings` (big_vision
+    style), so no full copy lands on one device first. With `lora` (a `models.lora.LoRASpec`),
+    fresh adapters too (the base is the same as without)."""
+    def build():
+        model = Decoder(cfg, nnx.Rngs(seed))
+        return model if lora is None else add_lora(model, lora, nnx.Rngs(seed + 1))
+
+    abstract = nnx.eval_shape(build)
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = sharding_lib.state_shardings(abs_state, mesh, rules)
+
+    def init():
+        return nnx.state(build())
+
+    return nnx.merge(graphdef, jax.jit(init, out_shardings=shardings)())

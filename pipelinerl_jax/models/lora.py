@@ -35,6 +35,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.config import ConfigError, check_keys
 from pipelinerl_jax.models.params import WeightsMismatch, flat_params
 
@@ -147,7 +148,6 @@ def attach_lora(model, spec: LoRASpec, mesh, seed: int = 0):
     """`add_lora`, then each adapter placed in its sharding on `mesh` (the rules of
     `pipelinerl_jax.sharding`). The values are drawn once on the host, the same on every
     process, and each process puts only its own shards (multi-process learners)."""
-    from pipelinerl_jax import sharding as sharding_lib  # cycle: sharding imports models
     add_lora(model, spec, nnx.Rngs(seed))
     adapters = nnx.state(model, nnx.LoRAParam)
     shardings = sharding_lib.state_shardings(adapters, mesh)

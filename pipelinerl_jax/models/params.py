@@ -22,7 +22,6 @@ import numpy as np
 from flax import nnx
 
 from pipelinerl_jax.models.model import Decoder
-from pipelinerl_jax.sharding import path_name
 
 
 class WeightsMismatch(KeyError, ValueError):
@@ -32,6 +31,11 @@ class WeightsMismatch(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would print the message quoted
         return str(self.args[0]) if self.args else ""
+
+
+def path_name(path) -> str:
+    """The flat name of a pytree path: "layers/0/attn/q_proj" (the NNX state path)."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def _is_var(x) -> bool:

@@ -35,12 +35,12 @@ import numpy as np
 from flax import nnx
 
 from pipelinerl_jax.models.config import CheckpointError, ModelConfig, dtype_of
-from pipelinerl_jax.models.hf_io import (hf_name_map, iter_safetensors, write_hf_dir,
-                                         write_safetensors)
+from pipelinerl_jax.models.hf_io import (from_pretrained, hf_name_map, iter_safetensors,
+                                         load_config, write_hf_dir, write_safetensors)
 from pipelinerl_jax.models.lora import (SUFFIX_A, SUFFIX_B, TARGETS, LoRASpec,
                                         adapter_shapes, is_adapter_name, merge_lora)
 from pipelinerl_jax.models.model import Decoder
-from pipelinerl_jax.models.params import WeightsMismatch, param_shapes
+from pipelinerl_jax.models.params import WeightsMismatch, flat_params, param_shapes
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -196,8 +196,6 @@ def write_merged_dir(adapters: Mapping[str, object], spec: LoRASpec, base_checkp
     """Writes the HF checkpoint of `base_checkpoint` with `adapters` merged in
     (`W + scale · A @ B` in float32, `models.lora.merge_lora`), stored in `dtype`, at `path`
     (through `write_hf_dir`, the one HF writer); returns `path`."""
-    from pipelinerl_jax.models.hf_io import from_pretrained, load_config
-    from pipelinerl_jax.models.params import flat_params
     base = flat_params(from_pretrained(base_checkpoint, dtype=dtype, param_dtype=dtype))
     merged = merge_lora(base, {k: np.asarray(v) for k, v in adapters.items()}, spec.scale)
     host = {k: np.asarray(v) for k, v in jax.device_get(merged).items()}

@@ -8,7 +8,7 @@ A rollout worker and the learner only ever see this interface (Tunix's rollout p
     engine.generate(requests)                    # blocking convenience (tests, sync mode)
 
 Requests are `GenerationRequest`s; each of their `params.n` samples comes back as its own
-`Completion` (see `pipelinerl_jax.types` and DESIGN.md "Provenance" for the per-token fields),
+`Completion` (see `pipelinerl_jax.records` and DESIGN.md "Provenance" for the per-token fields),
 as soon as it finishes, independently of the other samples of the request. Nothing here
 assumes a transport: an HTTP engine implements the same methods over its client.
 
@@ -27,7 +27,7 @@ from typing import AbstractSet, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from pipelinerl_jax.types import Completion, GenerationRequest
+from pipelinerl_jax.records import Completion, GenerationRequest
 
 
 class RequestError(ValueError):

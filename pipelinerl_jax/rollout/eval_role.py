@@ -20,7 +20,7 @@ import threading
 from typing import Callable, Optional
 
 from pipelinerl_jax.metrics import EVAL_LOG
-from pipelinerl_jax.rollout.eval_versions import EvalInbox, due
+from pipelinerl_jax.transport.eval_versions import EvalInbox, due
 from pipelinerl_jax.transport.weight_sink import read_weight_version
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,10 @@ def run_evaluator(cfg, workdir: str, init_checkpoint: str,
     """The role (module docstring); returns the versions it evaluated."""
     from pipelinerl_jax.envs import build_task
     from pipelinerl_jax.metrics import MetricsWriter
-    from pipelinerl_jax.rollout.eval_versions import eval_root
+    from pipelinerl_jax.transport.eval_versions import eval_root
     from pipelinerl_jax.rollout.evaluator import Evaluator, eval_view
     from pipelinerl_jax.rollout.factory import make_engine
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
     engine = make_engine(eval_view(cfg), init_checkpoint, 0, workdir)  # version -1
     evaluator = Evaluator(cfg, engine, build_task(cfg), get_tokenizer(cfg.tokenizer))
     writer = MetricsWriter(workdir, EVAL_LOG, tb_suffix=".evaluator")
@@ -107,7 +107,7 @@ class InlineEvaluator:
         from pipelinerl_jax.metrics import MetricsWriter
         from pipelinerl_jax.rollout.evaluator import Evaluator, eval_view
         from pipelinerl_jax.rollout.factory import make_engine
-        from pipelinerl_jax.tokenizers import get_tokenizer
+        from pipelinerl_jax.tokenizer import get_tokenizer
         self.eval_every, self.total_steps = cfg.learner.eval_every, cfg.learner.total_steps
         self.engine = make_engine(eval_view(cfg), init_checkpoint, 0, workdir)  # version -1
         self.evaluator = Evaluator(cfg, self.engine, build_task(cfg),

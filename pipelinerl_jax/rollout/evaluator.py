@@ -18,8 +18,8 @@ import numpy as np
 
 from pipelinerl_jax.envs import EnvTask, build_task, make_runner
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
-from pipelinerl_jax.tokenizers import get_tokenizer
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.tokenizer import get_tokenizer
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 
 
 def eval_slots(cfg) -> int:

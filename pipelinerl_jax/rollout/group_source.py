@@ -26,7 +26,7 @@ import numpy as np
 
 from pipelinerl_jax.envs.episode import FINISH_REASON
 from pipelinerl_jax.rollout.engine import RequestError
-from pipelinerl_jax.types import Completion, GenerationRequest, SamplingParams
+from pipelinerl_jax.records import Completion, GenerationRequest, SamplingParams
 
 
 class GroupMember(Protocol):
@@ -37,7 +37,7 @@ class GroupMember(Protocol):
     def judge(self, task, tokenizer, problem): ...  # -> .reward, .correct
 
     def rollout_fields(self, judged, advantage: float, group_size: int,
-                       group_id: str) -> Dict[str, Any]: ...  # `types.Rollout(**fields)`
+                       group_id: str) -> Dict[str, Any]: ...  # `records.Rollout(**fields)`
 
     def log_record(self, judged) -> dict: ...  # its line of samples.w<i>.jsonl
 

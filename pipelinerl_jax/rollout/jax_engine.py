@@ -55,7 +55,7 @@ from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from pipelinerl_jax.rollout.sampling import LOGPROB_MODES
 from pipelinerl_jax.transport.weight_version import (WeightVersion, WeightVersionRefused,
                                                      check_receivable, describe_run)
-from pipelinerl_jax.types import Completion, GenerationRequest
+from pipelinerl_jax.records import Completion, GenerationRequest
 
 KV_POLICIES = ("keep", "recompute")
 KV_LAYOUTS = ("dense", "paged")

@@ -50,7 +50,7 @@ from pipelinerl_jax.rollout.engine import (EngineClosedError, RequestError,
 from pipelinerl_jax.rollout.engine_stats import StatsWindow, window_rates
 from pipelinerl_jax.rollout.kv_memory import KVMemory, chunk_end
 from pipelinerl_jax.rollout.sampling import RowParams
-from pipelinerl_jax.types import Completion, GenerationRequest
+from pipelinerl_jax.records import Completion, GenerationRequest
 
 
 def buckets(given: Sequence[int], smallest: int, top: int) -> tuple:

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 log = logging.getLogger(__name__)
 

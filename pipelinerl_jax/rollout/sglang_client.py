@@ -5,7 +5,9 @@ a rollout worker holds at most `concurrency_per_server × servers` requests in f
 to a few hundred), each lasting seconds of GPU generation; a blocked thread per request costs
 little next to that, releases the GIL while it waits on its socket, and keeps the engine free
 of an event loop and of a new dependency. `scripts/bench_sglang_client.py` measures what this
-client sustains (requests/s, CPU per request).
+client sustains (requests/s, CPU per request). urllib3's pooled client (retries included)
+costs more client CPU per request than this one (0.99 ms against 0.60 ms: BENCHMARKS.md,
+"Hand-written or a library"), so it does not replace it.
 
 Each thread keeps one persistent connection per server (HTTP/1.1 keep-alive). A reused
 connection the server closed while idle (uvicorn drops idle ones after a few seconds) is
@@ -29,7 +31,7 @@ import time
 import urllib.parse
 from typing import Any, Optional, Tuple
 
-from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 
 RETRY_STATUSES = (502, 503, 504)
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,

@@ -86,12 +86,12 @@ from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_
 from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, abort_rids,
                                                     answer_items, generate_body, parse_output)
 from pipelinerl_jax.rollout.sglang_servers import Server, ServerFleet
-from pipelinerl_jax.tokenizers import get_tokenizer
-from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.tokenizer import get_tokenizer
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport import weight_sink
 from pipelinerl_jax.transport.weight_version import (WeightVersion, check_receivable,
                                                      describe_run)
-from pipelinerl_jax.types import Completion, GenerationRequest
+from pipelinerl_jax.records import Completion, GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any, List, Optional
 import numpy as np
 
 from pipelinerl_jax.rollout.sglang_client import HTTPError
-from pipelinerl_jax.types import GenerationRequest
+from pipelinerl_jax.records import GenerationRequest
 
 _INT = re.compile(r"^-?\d+$")
 _MISSING = np.iinfo(np.int32).min

@@ -35,7 +35,7 @@ LOGP_TOL = 2e-3  # |server log-prob - ours|, float32 on both sides
 
 
 def request(rid, max_new, n=1, seed=None, temperature=1.0, stop=(), prompt=PROMPT):
-    from pipelinerl_jax.types import GenerationRequest, SamplingParams
+    from pipelinerl_jax.records import GenerationRequest, SamplingParams
     return GenerationRequest(rid, np.asarray(prompt, np.int32), SamplingParams(
         max_new_tokens=max_new, n=n, seed=seed, temperature=temperature,
         stop_token_ids=tuple(stop)))

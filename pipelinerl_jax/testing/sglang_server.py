@@ -166,7 +166,10 @@ def make_handler(state: ServerState):
         def _route(self, method: str, path: str, body: dict):
             s = state
             if path in ("/health", "/health_generate"):
-                return Status(503, None) if s.starting() else None
+                starting = s.starting()
+                with s.lock:  # what a client saw, for tests that check it waited
+                    s.counts["health_503" if starting else "health_ok"] += 1
+                return Status(503, None) if starting else None
             gap = gap_route(s.switches, path)
             if gap is not None:
                 return gap

@@ -215,7 +215,7 @@ class ServerState:
 
     def _run_engine(self, items) -> list:
         from pipelinerl_jax.rollout.engine import RequestError
-        from pipelinerl_jax.types import GenerationRequest, SamplingParams
+        from pipelinerl_jax.records import GenerationRequest, SamplingParams
         q: queue.Queue = queue.Queue()
         internal, results = [], [None] * len(items)
         try:

@@ -19,7 +19,8 @@ _EXPORTS = {
     "queue_client": ["Batch", "PutResult", "QueueUnavailable", "RolloutQueueClient",
                      "RolloutRejected", "SessionSupersededError", "TransportError"],
     "queue_server": ["RolloutQueueServer"],
-    "security": ["RetryPolicy", "TLSConfig"],
+    "retry": ["RetryPolicy"],
+    "security": ["TLSConfig"],
     "versioned_dir": ["gc_versions", "latest_version", "list_versions", "write_versioned_dir"],
     "weights": ["WeightPublisher", "WeightSubscriber"],
 }

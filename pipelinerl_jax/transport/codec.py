@@ -1,4 +1,4 @@
-"""Conversions between NumPy / `types.Rollout` and the wire messages, and the boundary checks.
+"""Conversions between NumPy / `records.Rollout` and the wire messages, and the boundary checks.
 
 Arrays travel as `pb.Array(dtype, shape, data)` with little-endian C-order bytes. Every
 rollout entering the queue passes `validate_rollout`, which raises `InvalidRollout(field, why)`
@@ -15,7 +15,7 @@ from typing import Optional
 import ml_dtypes
 import numpy as np
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 from pipelinerl_jax.transport import rollout_pb2 as pb
 
 # dtype names a wire array may carry; anything else is rejected before any bytes are read.
@@ -128,7 +128,7 @@ def _cast(field: str, x, dtype: np.dtype) -> np.ndarray:
 
 # ------------------------------------------------------------------------------- rollouts
 
-def rollout_to_pb(r: types.Rollout, out: Optional[pb.Rollout] = None) -> pb.Rollout:
+def rollout_to_pb(r: records.Rollout, out: Optional[pb.Rollout] = None) -> pb.Rollout:
     m = pb.Rollout() if out is None else out
     array_to_pb(_cast("prompt_ids", r.prompt_ids, DTYPES["int32"]), m.prompt_ids)
     for name, dt in TOKEN_ARRAYS:
@@ -146,12 +146,12 @@ def rollout_to_pb(r: types.Rollout, out: Optional[pb.Rollout] = None) -> pb.Roll
     return m
 
 
-def rollout_from_pb(m: pb.Rollout) -> types.Rollout:
+def rollout_from_pb(m: pb.Rollout) -> records.Rollout:
     arrays = {name: array_from_pb(getattr(m, name), name, dt, ndim=1)
               for name, dt in (("prompt_ids", "int32"),) + TOKEN_ARRAYS}
     arrays.update({name: array_from_pb(getattr(m, name), name, dt, ndim=1)
                    if m.HasField(name) else None for name, dt in EPISODE_ARRAYS})
-    return types.Rollout(
+    return records.Rollout(
         **arrays, reward=m.reward, advantage=m.advantage, group_id=m.group_id,
         group_size=m.group_size, task_id=m.task_id, finish_reason=m.finish_reason,
         start_version=m.start_version, engine_id=m.engine_id, submit_time=m.submit_time,
@@ -223,8 +223,8 @@ def validate_rollout(m: pb.Rollout, limits: Limits,
     if not 1 <= m.group_size <= limits.max_group_size:
         raise InvalidRollout("group_size", f"must be in [1, {limits.max_group_size}], "
                                            f"got {m.group_size}")
-    if m.finish_reason not in types.FINISH_REASONS:
-        raise InvalidRollout("finish_reason", f"must be one of {list(types.FINISH_REASONS)}, "
+    if m.finish_reason not in records.FINISH_REASONS:
+        raise InvalidRollout("finish_reason", f"must be one of {list(records.FINISH_REASONS)}, "
                                               f"got {m.finish_reason!r}")
     for name in ("group_id", "task_id", "engine_id"):
         if len(getattr(m, name)) > limits.max_string_len:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import uuid
 from typing import Optional, Sequence
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb, validate_rollout
 from pipelinerl_jax.transport.config import limits_from_config
-from pipelinerl_jax.transport.queue_client import Batch, PutResult, _to_dict
+from pipelinerl_jax.transport.queue_client import Batch, PutResult, message_dict
 from pipelinerl_jax.transport.queue_core import QueueCore
 
 
@@ -41,7 +41,7 @@ class LocalQueue:
 
     # ---------------------------------------------------------------- producers
 
-    def put(self, rollouts: Sequence[types.Rollout],
+    def put(self, rollouts: Sequence[records.Rollout],
             timeout_s: Optional[float] = None) -> PutResult:
         msgs = [rollout_to_pb(r) for r in rollouts]
         announced = self.core.announced_version()
@@ -50,7 +50,7 @@ class LocalQueue:
                                       uuid.uuid4().hex, self.hold_s, self.producer_id)
         return PutResult(accepted, dup)
 
-    def put_group(self, rollouts: Sequence[types.Rollout],
+    def put_group(self, rollouts: Sequence[records.Rollout],
                   timeout_s: Optional[float] = None) -> PutResult:
         if not rollouts or len(rollouts) != rollouts[0].group_size or \
                 any(r.group_id != rollouts[0].group_id for r in rollouts):
@@ -58,7 +58,7 @@ class LocalQueue:
         return self.put(rollouts, timeout_s)
 
     def stats(self, timeout_s: float = 60.0) -> dict:
-        return _to_dict(self.core.stats(self.producer_id))
+        return message_dict(self.core.stats(self.producer_id))
 
     # ---------------------------------------------------------------- learner
 

@@ -10,6 +10,11 @@ FAILED_PRECONDITION raise `RolloutRejected` with the server's reason and the off
 `field`. A put is refused here, before sending, when it exceeds `max_message_bytes` or one of
 its rollouts could never be delivered in a batch (`queue_core.max_rollout_bytes`).
 `retry_counts` counts retries by code.
+
+Why a retry loop here and not gRPC's service-config retry policy: gRPC clamps `maxAttempts`
+to 5 (about 0.8 s of backoff, measured: BENCHMARKS.md, "Hand-written or a library"), too
+short to ride out a queue restart, and it cannot tell the queue's marked backpressure from
+gRPC's own RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
@@ -22,15 +27,15 @@ from typing import Iterable, Optional, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import rollout_pb2_grpc as pb_grpc
 from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb
 from pipelinerl_jax.transport.queue_core import max_rollout_bytes
 from pipelinerl_jax.transport.queue_server import (
     BACKPRESSURE_KEY, DEFAULT_MAX_MESSAGE_BYTES, SERVICE)
-from pipelinerl_jax.transport.security import (  # noqa: F401 (RetryPolicy re-exported)
-    RetryPolicy, TLSConfig, call_metadata, make_channel)
+from pipelinerl_jax.transport.retry import RetryPolicy
+from pipelinerl_jax.transport.security import TLSConfig, call_metadata, make_channel
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -123,14 +128,14 @@ class Batch:
     redelivered: bool
     delivery_count: int
 
-    def groups(self) -> list[list[types.Rollout]]:
+    def groups(self) -> list[list[records.Rollout]]:
         out: dict[str, list] = {}
         for r in self.rollouts:
             out.setdefault(r.group_id, []).append(r)
         return list(out.values())
 
 
-def _to_dict(msg) -> dict:
+def message_dict(msg) -> dict:
     out = {}
     for f in msg.DESCRIPTOR.fields:
         value = getattr(msg, f.name)
@@ -182,7 +187,7 @@ class RolloutQueueClient:
 
     # ---------------------------------------------------------------- producers
 
-    def _request(self, rollouts: Sequence[types.Rollout]) -> pb.PutRequest:
+    def _request(self, rollouts: Sequence[records.Rollout]) -> pb.PutRequest:
         request = pb.PutRequest(rollouts=[rollout_to_pb(r) for r in rollouts],
                                 request_id=uuid.uuid4().hex, hold_s=self.hold_s,
                                 producer_id=self.producer_id)
@@ -200,7 +205,7 @@ class RolloutQueueClient:
                                   f"{self.max_message_bytes}; put fewer rollouts at once")
         return request
 
-    def put(self, rollouts: Sequence[types.Rollout],
+    def put(self, rollouts: Sequence[records.Rollout],
             timeout_s: Optional[float] = None) -> PutResult:
         """Stores `rollouts` atomically, retrying backpressure and outages.
 
@@ -214,7 +219,7 @@ class RolloutQueueClient:
             _put_retryable, timeout_s)
         return PutResult(resp.accepted, resp.duplicate)
 
-    def put_group(self, rollouts: Sequence[types.Rollout],
+    def put_group(self, rollouts: Sequence[records.Rollout],
                   timeout_s: Optional[float] = None) -> PutResult:
         """`put` of exactly one whole group (checked here before anything is sent)."""
         if not rollouts:
@@ -227,7 +232,7 @@ class RolloutQueueClient:
                              f"group_size is {size}")
         return self.put(rollouts, timeout_s)
 
-    def put_stream(self, pieces: Iterable[Sequence[types.Rollout]],
+    def put_stream(self, pieces: Iterable[Sequence[records.Rollout]],
                    timeout_s: Optional[float] = None) -> list[PutResult]:
         """Sends each piece as one item of a PutStream; returns one result per piece.
 
@@ -330,7 +335,7 @@ class RolloutQueueClient:
         resp = self._retrying(lambda: self._stub.GetStats(
             pb.StatsRequest(producer_id=self.producer_id), timeout=self.rpc_timeout_s,
             metadata=self._md), _transient, timeout_s)
-        return _to_dict(resp)
+        return message_dict(resp)
 
     def wait_ready(self, deadline_s: float = 30.0) -> None:
         """Blocks until the server's health check says SERVING; TimeoutError otherwise."""

@@ -1,4 +1,4 @@
-"""Plumbing shared by the queue and weight services: auth, TLS, size limits, retry backoff.
+"""Plumbing shared by the queue and weight services: auth, TLS, size limits.
 
 Defaults are safe for one machine: servers bind 127.0.0.1 unless an address is given, and
 `check_bind` refuses a non-loopback bind without a token or TLS (the config validation and
@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import hmac
 import ipaddress
-import random
 from concurrent import futures
 from typing import Optional, Sequence
 
@@ -39,18 +38,6 @@ class TLSConfig:
     key_file: Optional[str] = None
     ca_file: Optional[str] = None
     server_name: Optional[str] = None  # client: name to verify instead of the dialled host
-
-
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    """Delay before retry k: d = min(max_s, initial_s * multiplier**k), drawn from [d/2, d]."""
-    initial_s: float = 0.02
-    max_s: float = 2.0
-    multiplier: float = 2.0
-
-    def delay(self, attempt: int) -> float:
-        d = min(self.max_s, self.initial_s * self.multiplier ** min(attempt, 30))
-        return random.uniform(d / 2, d)
 
 
 def _read(path: str) -> bytes:

@@ -63,8 +63,9 @@ import numpy as np
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import wire
 from pipelinerl_jax.transport.codec import dtype_from_name
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.security import (
-    DEFAULT_HOST, RetryPolicy, TLSConfig, call_metadata, host_port, make_channel, make_server)
+    DEFAULT_HOST, TLSConfig, call_metadata, host_port, make_channel, make_server)
 from pipelinerl_jax.transport.weight_version import KINDS, WeightVersion, refusal
 from pipelinerl_jax.models.lora import LoRASpec
 

@@ -125,7 +125,7 @@ def test_reeval_rescores_each_runs_last_checkpoint_once(grid_run, tmp_path):
     from pipelinerl_jax.learner.checkpoint import Checkpointer
     from pipelinerl_jax.models import flat_params
     from pipelinerl_jax.rollout.evaluator import Evaluator
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
     import ml_collections
     run = os.path.join(workdir, "runs", "lag=1,seed=1")
     cfg = ml_collections.ConfigDict(json.load(open(os.path.join(run, "config.json"))))

@@ -5,7 +5,7 @@ import pytest
 
 from pipelinerl_jax.envs import EnvReply, EnvTask, Environment
 from pipelinerl_jax.tasks.base import Problem
-from pipelinerl_jax.tokenizers import CharTokenizer
+from pipelinerl_jax.tokenizer import CharTokenizer
 
 
 class ToyEnv(Environment):

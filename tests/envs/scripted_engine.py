@@ -22,7 +22,7 @@ import numpy as np
 
 from pipelinerl_jax.rollout.engine import (EngineClosedError, InferenceEngine, RequestError,
                                            validate_request)
-from pipelinerl_jax.types import Completion
+from pipelinerl_jax.records import Completion
 
 
 def fake_logp(position: int, token: int) -> float:

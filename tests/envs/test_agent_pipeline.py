@@ -15,12 +15,12 @@ from pipelinerl_jax import run_config
 from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.envs import ModelTurn, build_task
 from pipelinerl_jax.envs.calculator import CalculatorEnv
+from pipelinerl_jax.launch.demonstrations import sft_on_demonstrations
 from pipelinerl_jax.learner import loop as learner_loop
-from pipelinerl_jax.learner.sft import run_sft
 from pipelinerl_jax.metrics import read_metrics
 from pipelinerl_jax.rollout.jax_engine import make_jax_engine
 from pipelinerl_jax.rollout.worker import RolloutWorker
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from tests.envs.conftest import recording
 from tests.envs.episode_checks import match_engine
@@ -65,7 +65,7 @@ def test_agent_pipeline_trains_exactly_the_episodes(tmp_path, monkeypatch):
     run_config.validate(cfg)
     cfg = run_config.resolve(cfg)
     workdir = str(tmp_path)
-    init = run_sft(cfg, os.path.join(workdir, "warm_start"), progress=False)["checkpoint"]
+    init = sft_on_demonstrations(cfg, os.path.join(workdir, "warm_start"), progress=False)["checkpoint"]
 
     trained = []
     pack = learner_loop.batching.pack

@@ -8,12 +8,12 @@ import pytest
 
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.envs import CalculatorTask, build_task, encode_demonstration, is_env_task
+from pipelinerl_jax.launch.demonstrations import demo_rollouts
 from pipelinerl_jax.learner import batching
-from pipelinerl_jax.learner.sft import demo_rollouts
 from pipelinerl_jax.losses import LOSSES, LossInputs, get_loss
 from pipelinerl_jax.run_config import base_config, completion_tokens, resolve, validate
 from pipelinerl_jax.tasks import SyntheticStringTask
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 
 def agent_config(**env):

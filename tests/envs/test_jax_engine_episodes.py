@@ -4,7 +4,6 @@ that very sequence, and turns on either side of a weight update carry the right 
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from pipelinerl_jax.envs import EpisodeRunner

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 from pipelinerl_jax.envs import (CalculatorTask, EnvReply, EpisodeRunner, KVLookupTask,
                                  encode_demonstration)
 from pipelinerl_jax.transport import codec
@@ -212,7 +212,7 @@ def test_rollout_fields_pass_the_queue_checks(tok):
     fields = ep.rollout_fields(advantage=0.7, group_size=4)
     mask, turn_index = fields.pop("loss_mask"), fields.pop("turn_index")
     assert mask.dtype == np.uint8 and mask.shape == turn_index.shape == ep.completion_ids.shape
-    r = types.Rollout(**fields)
+    r = records.Rollout(**fields)
     assert r.finish_reason == "stop" and r.metrics["turns"] == 3.0
     info = codec.validate_rollout(codec.rollout_to_pb(r), codec.Limits(vocab_size=tok.vocab_size),
                                   max_version=0)

@@ -64,13 +64,13 @@ def test_sft_runs_in_a_child_once(tmp_path, monkeypatch):
 def test_sft_is_bit_reproducible(tmp_path):
     """Same config and seed -> the same parameters, bit for bit (data order and XLA:CPU are
     deterministic); another seed -> other parameters."""
-    from pipelinerl_jax.learner.sft import run_sft
+    from pipelinerl_jax.launch.demonstrations import sft_on_demonstrations
     files = {}
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         c = _config(steps=6, batch_size=8, log_every=1)
         c.seed = seed
         out = tmp_path / name
-        run_sft(run_config.resolve(c), str(out), progress=False)
+        sft_on_demonstrations(run_config.resolve(c), str(out), progress=False)
         files[name] = (out / "model" / "model.safetensors").read_bytes()
     assert files["a"] == files["b"]
     assert files["a"] != files["c"]
@@ -83,7 +83,7 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path):
     import json
 
     import numpy as np
-    from pipelinerl_jax.learner.sft import run_sft
+    from pipelinerl_jax.launch.demonstrations import sft_on_demonstrations
     from pipelinerl_jax.models import flat_params, from_pretrained
 
     def evaluator(curve):
@@ -99,7 +99,7 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path):
     c.learner.eval_size = 8
     run_config.validate(c)
     evaluate, calls = evaluator(lambda step: [0.0, 0.1, 0.25, 0.4, 0.9][step // 4 - 1])
-    s = run_sft(run_config.resolve(c), str(tmp_path / "gated"), progress=False,
+    s = sft_on_demonstrations(run_config.resolve(c), str(tmp_path / "gated"), progress=False,
                 evaluate=evaluate)
     assert [step for step, _ in calls] == [4, 8, 12, 16]  # 0.4 >= 0.3 at step 16: stop
     assert s["stopped_at"] == 16 and s["target_reached"] and s["eval/accuracy"] == 0.4
@@ -115,7 +115,7 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path):
 
     # Never reached: trains all `steps`, evaluates once more at the end, says so.
     evaluate, calls = evaluator(lambda step: 0.1)
-    s = run_sft(run_config.resolve(c), str(tmp_path / "never"), progress=False,
+    s = sft_on_demonstrations(run_config.resolve(c), str(tmp_path / "never"), progress=False,
                 evaluate=evaluate)
     assert [step for step, _ in calls] == [4, 8, 12, 16, 20]
     assert s["stopped_at"] == 20 and s["target_reached"] is False
@@ -123,7 +123,7 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path):
     # No target: one evaluation, at the end.
     c = _config(steps=6, batch_size=4, log_every=1)
     evaluate, calls = evaluator(lambda step: 0.5)
-    s = run_sft(run_config.resolve(c), str(tmp_path / "plain"), progress=False,
+    s = sft_on_demonstrations(run_config.resolve(c), str(tmp_path / "plain"), progress=False,
                 evaluate=evaluate)
     assert [step for step, _ in calls] == [6] and "target_reached" not in s
 

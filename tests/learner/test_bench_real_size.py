@@ -105,9 +105,9 @@ def test_weight_sync_bench_smoke():
 
 
 def test_decode_attention_bench_smoke():
-    """scripts/bench_decode_attention.py --smoke: both layouts timed interleaved; the paged
-    reference's program moves only its gathered keys and values (two transposes a layer,
-    each fused into its gather)."""
+    """scripts/bench_decode_attention.py --smoke: both layouts timed interleaved, and what XLA
+    emitted for each reported (the transpose count is the benchmark's figure, BENCHMARKS.md;
+    a smoke test asserts no figure)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts",
@@ -119,8 +119,9 @@ def test_decode_attention_bench_smoke():
     assert out["dense_ms"] > 0 and out["paged_ms"] > 0 and out["paged_speed_vs_dense"] > 0
     q1, q3 = out["paged_speed_vs_dense_quartiles"]
     assert q1 <= out["paged_speed_vs_dense"] <= q3
-    assert out["hlo_ops"]["paged"]["transpose"] == 2 * out["layers"]
-    assert out["hlo_ops"]["dense"]["transpose"] == 0
+    for layout in ("dense", "paged"):
+        assert set(out["hlo_ops"][layout]) == {"transpose", "copy", "gather", "dot"}
+        assert out["hlo_ops"][layout]["dot"] > 0
 
 
 def test_weight_sync_live_bench_smoke():

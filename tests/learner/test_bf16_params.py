@@ -6,11 +6,12 @@ import numpy as np
 from flax import nnx
 
 from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.models import tiny_config
 from pipelinerl_jax.run_config import optimizer_config
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 VOCAB = 40
 DIMS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=4,
@@ -42,9 +43,9 @@ def _setup(model, mesh):
 
 def test_bf16_params_train_with_float32_optimizer_state():
     mesh = sharding.make_mesh((1, 1, 1))
-    model = sharding.create_model(tiny_config(param_dtype=jnp.bfloat16, **DIMS), mesh, seed=3)
+    model = create_model(tiny_config(param_dtype=jnp.bfloat16, **DIMS), mesh, seed=3)
     # Reference: float32 params holding the same (bf16-representable) values.
-    ref_model = sharding.create_model(tiny_config(**DIMS), mesh, seed=3)
+    ref_model = create_model(tiny_config(**DIMS), mesh, seed=3)
     nnx.update(ref_model, jax.tree.map(lambda x: x.astype(jnp.float32),
                                        nnx.state(model, nnx.Param)))
     state, step = _setup(model, mesh)

@@ -20,7 +20,8 @@ from flax import nnx
 from pipelinerl_jax import sharding
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.losses import loss_from_config
-from tests.learner.test_learner_step import MODEL, _rollouts
+from pipelinerl_jax.models.factory import create_model
+from tests.learner.step_testlib import MODEL, _rollouts
 from tests.learner.test_staleness_clip_step import _cfg
 from tests.losses import corrections_reference as oracle
 
@@ -40,7 +41,7 @@ def _batch(minibatches, lag=LAG):
 def _step(cfg, arrays):
     """(initial params, params after one train step, the step's metrics, graphdef)."""
     mesh = sharding.make_mesh((1, 1, 1))
-    model = sharding.create_model(MODEL, mesh, seed=3)
+    model = create_model(MODEL, mesh, seed=3)
     optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
     state = ts.init_state(model, optimizer, mesh)
     params0 = jax.device_get(state.params)

@@ -14,11 +14,11 @@ from pipelinerl_jax.metrics import EVAL_LOG, MetricsWriter, read_metrics
 from pipelinerl_jax.models import flat_params, from_pretrained, save_pretrained
 from pipelinerl_jax.models.factory import build_model
 from pipelinerl_jax.rollout.eval_role import EvalLoop
-from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox, due, eval_root
+from pipelinerl_jax.transport.eval_versions import EvalInbox, EvalOutbox, due, eval_root
 from pipelinerl_jax.run_config import base_config
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.weight_sink import hf_checkpoint_writer
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 WAIT_S = 300.0  # only reached when the learner blocks on an evaluation: the test then fails
 

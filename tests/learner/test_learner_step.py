@@ -3,46 +3,11 @@ and declared needs decide it, never the raw `loss` section (whose unset keys are
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from pipelinerl_jax import sharding
-from pipelinerl_jax.learner import batching, loop, train_step as ts
+from pipelinerl_jax.learner import loop
 from pipelinerl_jax.losses import LOSSES, get_loss, loss_from_config
-from pipelinerl_jax.models import tiny_config
 from pipelinerl_jax.run_config import base_config
-from pipelinerl_jax.types import Rollout
-
-VOCAB = 40
-MODEL = tiny_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=4,
-                    num_kv_heads=2, head_dim=16)
-
-
-def _rollouts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [Rollout(prompt_ids=rng.integers(3, VOCAB, 4).astype(np.int32),
-                    completion_ids=rng.integers(3, VOCAB, c).astype(np.int32),
-                    logp_behaviour=-rng.uniform(0.5, 4.0, c).astype(np.float32),
-                    version=np.zeros(c, np.int32), kv_version=np.zeros(c, np.int32),
-                    reward=float(i % 2), advantage=float(rng.normal()),
-                    group_id=f"g-{i // 4}", group_size=4)
-            for i, c in enumerate(lengths)]
-
-
-def _train(cfg, rollouts, steps=2):
-    mesh = sharding.make_mesh((1, 1, 1))
-    model = sharding.create_model(MODEL, mesh, seed=3)
-    optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
-    state = ts.init_state(model, optimizer, mesh)
-    step_fn = loop.make_step(cfg, model, optimizer, mesh, state)
-    chunks = cfg.learner.minibatches * cfg.learner.micro_batches
-    packed = batching.pack(rollouts, 0, num_seqs=len(rollouts), chunks=chunks, pack_len=32,
-                           completion_len=24)
-    losses = []
-    for _ in range(steps):
-        state, metrics = step_fn(state, packed.arrays)
-        losses.append(float(metrics["loss"]))
-    return jax.device_get(state.params), losses, packed
-
+from tests.learner.step_testlib import _rollouts, _train
 
 def test_default_loss_config_accumulates_micro_batches_by_tokens():
     """Regression: with no `loss.agg` set the loss aggregates by `token_mean` (the

@@ -12,9 +12,9 @@ from pipelinerl_jax.learner import loop
 from pipelinerl_jax.models import save_pretrained
 from pipelinerl_jax.models.factory import build_model
 from pipelinerl_jax.run_config import base_config
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.queue_client import QueueUnavailable
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 PAUSE_S = 0.5  # what an empty poll or an outage costs on the fake clock (exact in binary)
 

@@ -10,7 +10,7 @@ from pipelinerl_jax.lag_control import LagController, LagLaw
 from pipelinerl_jax.learner.loop import Shipper
 from pipelinerl_jax.models import flat_params
 from pipelinerl_jax.learner.publication import Publication
-from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox
+from pipelinerl_jax.transport.eval_versions import EvalInbox, EvalOutbox
 
 _step = jax.jit(lambda p: jax.tree.map(lambda x: x + 1.0, p), donate_argnums=0)
 

@@ -10,7 +10,7 @@ from pipelinerl_jax import run_config
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.learner import batching, recording
 from pipelinerl_jax.learner.replay import config_differences
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 
 def _rollout(gid, reward, n=3, version=0):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax.run_config import base_config
-from tests.learner.test_learner_step import _rollouts, _train
+from tests.learner.step_testlib import _rollouts, _train
 
 
 def _stale(lag, seed=0):

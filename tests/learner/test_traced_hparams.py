@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.learner import loop, train_step as ts
 from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.run_config import base_config, optimizer_config
@@ -44,7 +45,7 @@ def test_traced_schedule_equals_optax_schedule(decay, warmup):
 
 
 def _setup(opt, loss_fn, mesh):
-    model = sharding.create_model(CFG, mesh, seed=3)
+    model = create_model(CFG, mesh, seed=3)
     state = ts.init_state(model, opt, mesh)
     step = ts.make_train_step(nnx.graphdef(model), opt, loss_fn, mesh=mesh,
                               state_sharding=ts.state_shardings(state))
@@ -87,7 +88,7 @@ def _config(lr, warmup, eps_low):
 
 def test_configs_differing_in_lr_and_loss_hyperparameters_share_one_executable():
     mesh = sharding.make_mesh((1, 1, 1))
-    model = sharding.create_model(CFG, mesh, seed=3)
+    model = create_model(CFG, mesh, seed=3)
     steps = []
     for cfg in (_config(1e-4, 0, 0.2), _config(3e-3, 5, 0.1)):
         opt, _ = ts.make_optimizer(cfg.learner.optimizer)
@@ -97,7 +98,7 @@ def test_configs_differing_in_lr_and_loss_hyperparameters_share_one_executable()
     assert a.hparams["optimizer"]["learning_rate"] != b.hparams["optimizer"]["learning_rate"]
     batch = _batch(mesh)
     def fresh():  # the step donates its state, parameters included
-        return ts.init_state(sharding.create_model(CFG, mesh, seed=3), opt, mesh)
+        return ts.init_state(create_model(CFG, mesh, seed=3), opt, mesh)
     # Separately built steps (as in two runs of a sweep) lower to the same program, so XLA's
     # persistent compilation cache serves the second run the first run's executable.
     assert a.lower(fresh(), batch, a.hparams).as_text() == \

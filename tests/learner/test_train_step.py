@@ -6,11 +6,12 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax import sharding
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.run_config import optimizer_config
 from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.losses import get_loss
 from pipelinerl_jax.models import token_logprobs, tiny_config
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 
 VOCAB = 40
 CFG = tiny_config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=4,
@@ -42,7 +43,7 @@ def test_row_bucket_and_first_fit():
 
 
 def test_packed_logprobs_equal_separate_forwards():
-    model = sharding.create_model(CFG, seed=1)
+    model = create_model(CFG, seed=1)
     rollouts = _rollouts(12)
     packed = batching.pack(rollouts, 5, num_seqs=16, chunks=2, pack_len=32, completion_len=20)
     a = packed.arrays
@@ -69,7 +70,7 @@ def test_packed_logprobs_equal_separate_forwards():
 
 
 def _step_setup(mesh, loss="ppo", micro_batches=1, minibatches=1, use_proximal=False):
-    model = sharding.create_model(CFG, mesh, seed=3)
+    model = create_model(CFG, mesh, seed=3)
     opt, _ = ts.make_optimizer(optimizer_config(learning_rate=1e-2, total_steps=10))
     state = ts.init_state(model, opt, mesh)
     fn = ts.make_train_step(nnx.graphdef(model), opt, get_loss(loss), mesh=mesh,

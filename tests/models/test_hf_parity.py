@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.optional_deps import optional  # noqa: E402
+
+torch = optional("torch")
+transformers = optional("transformers")
 
 from pipelinerl_jax.models import (CheckpointError, Decoder, from_pretrained,  # noqa: E402
                                    init_cache, save_pretrained)

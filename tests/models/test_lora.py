@@ -16,6 +16,7 @@ from pipelinerl_jax.models import (Decoder, LoRASpec, WeightsMismatch, adapter_p
                                    add_lora, base_params, decoder_from_flat, flat_params,
                                    merge_lora, merged_params, tiny_config, token_logprobs)
 from pipelinerl_jax.models.lora import TARGETS, lora_config, validate_lora_config
+from pipelinerl_jax.models.params import path_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = tiny_config(vocab_size=48, hidden_size=32, intermediate_size=64, num_heads=4,
@@ -37,7 +38,7 @@ def _randomise_b(model, seed=1):
     rng = np.random.default_rng(seed)
     for path, var in jax.tree_util.tree_flatten_with_path(
             nnx.state(model, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
-        if sharding.path_name(path).endswith("_lora_b"):
+        if path_name(path).endswith("_lora_b"):
             var.set_value(jnp.asarray(0.05 * rng.standard_normal(var.shape), var.dtype))
     return model
 

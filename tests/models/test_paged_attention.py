@@ -157,21 +157,3 @@ def test_reference_attention_matches_a_plain_oracle(t, stored):
     out = jax.jit(paged_attention)(q, pool, jnp.asarray(tables), jnp.asarray(positions))
     np.testing.assert_allclose(out, _oracle_attention(q, pool_k, pool_v, tables, positions),
                                atol=2e-6, rtol=1e-5)
-
-
-def test_reference_decode_moves_nothing_but_the_gathered_pages():
-    """What XLA:CPU emits for the reference decode (T = 1, the engine's per-layer call): one
-    gather of the rows' pages (keys and values are one pool, read in one pass) and two
-    transposes, its key and value halves into the layouts the products read; queries,
-    probabilities and outputs are not moved (hardware-independent, XLA's own program; JAX
-    0.10.2)."""
-    rng = np.random.default_rng(0)
-    num_pages, c, k_heads, x, b, n = 33, 16, 2, 64, 8, 4
-    pool = jnp.asarray(rng.normal(size=(num_pages, c, 2 * k_heads, x)), jnp.float32)
-    tables = jnp.asarray(_random_tables(rng, b, n, num_pages))
-    q = jnp.asarray(rng.normal(size=(b, 1, 14, x)), jnp.float32)
-    positions = jnp.full((b, 1), n * c - 1, jnp.int32)
-    hlo = jax.jit(paged_attention).lower(q, pool, tables, positions).compile().as_text()
-    ops = [line for line in hlo.splitlines() if " transpose(" in line]
-    assert len(ops) == 2, "\n".join(ops)
-    assert hlo.count(" gather(") == 1 and hlo.count(" dot(") == 2

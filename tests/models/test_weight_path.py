@@ -1,4 +1,4 @@
-"""One weight path (issue 24, part 2): every place that turns flat `{name: array}` weights
+"""One weight path: every place that turns flat `{name: array}` weights
 into a model goes through `models.state_from_flat`, so the same bad weights are refused the
 same way, with the same message, by the JaxEngine's install, the weight sink's HF writer and
 the SGLang engine's in-memory update; and nothing is installed or written for them."""

@@ -17,7 +17,7 @@ from pipelinerl_jax.launch.supervisor import LaunchError
 from pipelinerl_jax.learner import multihost
 from pipelinerl_jax.transport import queue_address, weights_address
 from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
-from pipelinerl_jax.types import Rollout
+from pipelinerl_jax.records import Rollout
 from tests.pipeline_testlib import ROOT, make_init_checkpoint
 
 

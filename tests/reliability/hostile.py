@@ -8,7 +8,7 @@ import math
 import numpy as np
 from hypothesis import strategies as st
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 from pipelinerl_jax.transport import rollout_pb2 as pb
 
 VOCAB, MAX_PROMPT, MAX_COMPLETION, MAX_GROUP, ANNOUNCED = 64, 16, 12, 4, 5
@@ -69,7 +69,7 @@ def problems(m: pb.Rollout) -> set:
         bad.add("group_id")
     if not 1 <= m.group_size <= MAX_GROUP:
         bad.add("group_size")
-    if m.finish_reason not in types.FINISH_REASONS:
+    if m.finish_reason not in records.FINISH_REASONS:
         bad.add("finish_reason")
     for name in ("task_id", "engine_id"):
         if len(getattr(m, name)) > 256:
@@ -192,9 +192,9 @@ def rollouts(draw) -> pb.Rollout:
     for name in ("task_id", "engine_id"):
         setattr(m, name, draw(st.text(min_size=257, max_size=300) if name in broken
                               else st.text(max_size=12)))
-    m.finish_reason = draw(st.text(max_size=6).filter(lambda x: x not in types.FINISH_REASONS)
+    m.finish_reason = draw(st.text(max_size=6).filter(lambda x: x not in records.FINISH_REASONS)
                            if "finish_reason" in broken
-                           else st.sampled_from(types.FINISH_REASONS))
+                           else st.sampled_from(records.FINISH_REASONS))
     m.start_version = draw(st.one_of(st.integers(-2**40, -1), st.integers(ANNOUNCED + 1, 2**40))
                            if "start_version" in broken else VERSIONS)
     if "metrics" in broken:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from etils import epath
 
-from pipelinerl_jax.learner.checkpoint import Checkpointer, CheckpointSaveError
+from pipelinerl_jax.learner.checkpoint import Checkpointer, CheckpointSaveError, committed_steps
 
 
 def _state(scale):
@@ -73,7 +73,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_what_failed(tmp_path, 
     # Room again: the next save lands, and step 2 is still there.
     again.save(6, _state(6), {"version": 6, "trained_batch_ids": []})
     again.wait()
-    assert again.latest_step() == 6 and again._mngr.all_steps() == [2, 6]
+    assert again.latest_step() == 6 and committed_steps(again.directory) == [2, 6]
     again.close()
 
 

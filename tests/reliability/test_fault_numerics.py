@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport.codec import rollout_to_pb
 from tests.reliability.reliability_testlib import (
@@ -35,7 +35,7 @@ HUGE = 3e38  # finite (float32 max is 3.4e38), but advantage x log-prob overflow
 
 
 def _group(gid, version, advantage=HUGE, size=2):
-    return [types.Rollout(
+    return [records.Rollout(
         prompt_ids=np.asarray([3, 4, 5, 6], np.int32),
         completion_ids=np.asarray([7, 8, 9, 10, 2], np.int32),
         logp_behaviour=np.full(5, -4.0, np.float32), version=np.full(5, version, np.int32),

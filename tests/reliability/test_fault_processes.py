@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 
 from tests.reliability.reliability_testlib import (
     committed, events, finish, logs, max_step, pid_of, queue_client, read_jsonl, sigkill,
@@ -113,7 +113,7 @@ def _group(group_id: str, version: int) -> list:
     out = []
     for i in range(GROUP_SIZE):
         n = 4
-        out.append(types.Rollout(
+        out.append(records.Rollout(
             prompt_ids=rng.integers(1, 40, 3).astype(np.int32),
             completion_ids=rng.integers(1, 40, n).astype(np.int32),
             logp_behaviour=np.full(n, -1.0, np.float32),

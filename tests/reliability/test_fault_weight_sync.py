@@ -14,12 +14,12 @@ from pipelinerl_jax.models import flat_params, from_pretrained
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.rollout.worker import RolloutWorker
 from pipelinerl_jax.tasks import get_task
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from pipelinerl_jax.transport import weights
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.weights import WeightSubscriber
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 from tests.reliability.reliability_testlib import tiny_config, weights_publisher_main
 
 pytestmark = pytest.mark.slow  # starts other processes: left out of the fast tier (pytest.ini)

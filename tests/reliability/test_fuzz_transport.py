@@ -1,5 +1,5 @@
 """Property-based fuzzing at scale of every request type at the queue's boundary and of the
-weight stream's frames (issue 23: >= 10,000 generated cases per run, about a minute).
+weight stream's frames (>= 10,000 generated cases per run, about a minute).
 
 The queue is fuzzed through `RolloutQueueServer.handlers`, the very functions gRPC calls,
 in-process (no sockets: thousands of cases a second instead of hundreds), with a stand-in
@@ -16,7 +16,7 @@ arbitrary bytes. A frame either advances a version or raises `_CorruptVersion`, 
 else; a completed version has the names and shapes the subscriber expects, and with crc32
 on, exactly the published values. A last test sends hostile streams over gRPC to a real
 subscriber, whose thread must survive all of them and apply the good version after them.
-The findings of issue 23 are kept as explicit examples (`@example`) and as named tests in
+Known hostile inputs are kept as explicit examples (`@example`) and as named tests in
 tests/transport/test_transport_hardening.py. Case counts are printed (`[fuzz] ...`).
 """
 import collections
@@ -33,7 +33,7 @@ from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import weights, wire
 from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.transport.codec import Limits
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.queue_server import MAX_ID_CHARS, RolloutQueueServer
 from tests.transport.flat_weights import FlatSubscriber as WeightSubscriber
 from tests.reliability import hostile
@@ -338,14 +338,14 @@ FRAMES = list(weights._Version(WeightVersion("full").carrying(5, tensors=PARAMS)
 PAYLOAD = b"".join(pb.WeightMessage.FromString(f).chunk.data for f in FRAMES[1:-1])
 
 
-def _huge_header() -> list:  # issue 23 finding 5
+def _huge_header() -> list:  # a header claiming hundreds of GiB
     n = 900 << 30
     h = pb.WeightHeader(kind="full", version=7, publisher_id="p", total_bytes=n, num_chunks=1)
     h.tensors.add(name="embed", dtype="uint8", shape=[n], offset=0, nbytes=n)
     return [pb.WeightMessage(header=h).SerializeToString()]
 
 
-def _varint_data() -> list:  # issue 23 finding 6
+def _varint_data() -> list:  # a chunk's data field with another wire type
     body = pb.WeightChunk(version=5, index=0, offset=0).SerializeToString() + b"\x28\x05"
     return [FRAMES[0], wire.len_field(2, len(body)) + body, *FRAMES[2:]]
 
@@ -442,9 +442,9 @@ def hostile_stream(rng: random.Random) -> list:
 
 @settings(FUZZ, max_examples=3700)
 @given(SEEDS, st.booleans())
-@example(-1, False)  # issue 23 finding 5: a header claiming 900 GiB
+@example(-1, False)  # a header claiming 900 GiB
 @example(-1, True)
-@example(-2, False)  # issue 23 finding 6: a chunk's data field as a varint
+@example(-2, False)  # a chunk's data field as a varint
 @example(-3, True)  # the unmodified version: completes, bit-exact
 def test_fuzz_weight_frames(seed, expect_shapes):
     COUNTS["weight_streams"] += 1

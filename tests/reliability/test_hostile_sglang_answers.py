@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pipelinerl_jax.rollout.sglang_client import HTTPError, ServerClient, ServerUnavailable
 from pipelinerl_jax.rollout.sglang_protocol import (Job, ProtocolError, Sample, answer_items,
                                                     parse_output)
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 
 VOCAB, MAX_NEW = 64, 8
 COUNTS = {"parsed": 0, "rejected": 0}

@@ -9,7 +9,7 @@ from flax import nnx
 from pipelinerl_jax import sharding
 from pipelinerl_jax.models import Decoder, init_cache, tiny_config
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 
 # Every test engine has this shape: 2 prefill lengths x 2 prefill batches + 2 decode buckets.
 SHAPE = dict(max_slots=4, max_seq_len=64, prefill_buckets=(16, 64), cache_buckets=(32, 64),

@@ -6,8 +6,10 @@ greedy tokens its argmax, across prompt lengths that do and do not fill whole pa
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.optional_deps import optional  # noqa: E402
+
+torch = optional("torch")
+transformers = optional("transformers")
 
 from pipelinerl_jax.models import from_pretrained  # noqa: E402
 from tests.rollout.conftest import make_engine, request, run_until  # noqa: E402

@@ -13,12 +13,12 @@ from pipelinerl_jax.envs import build_task
 from pipelinerl_jax.metrics import read_jsonl
 from pipelinerl_jax.rollout import factory
 from pipelinerl_jax.rollout.eval_role import run_evaluator
-from pipelinerl_jax.rollout.eval_versions import EvalInbox, EvalOutbox, eval_root
+from pipelinerl_jax.transport.eval_versions import EvalInbox, EvalOutbox, eval_root
 from pipelinerl_jax.rollout.evaluator import eval_slots, eval_view
 from pipelinerl_jax.run_config import base_config, validate
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.weight_version import WeightVersion
-from pipelinerl_jax.types import Completion
+from pipelinerl_jax.records import Completion
 
 
 class _Engine:

@@ -13,7 +13,7 @@ from pipelinerl_jax.rollout.group_source import EpisodeGroups, SampleGroups
 from pipelinerl_jax.run_config import base_config
 from pipelinerl_jax.tasks import get_task
 from pipelinerl_jax.tasks.base import Problem
-from pipelinerl_jax.tokenizers import CharTokenizer
+from pipelinerl_jax.tokenizer import CharTokenizer
 from tests.envs.scripted_engine import ScriptedEngine
 
 SAMPLING = dict(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=0)

@@ -13,7 +13,7 @@ import pytest
 from pipelinerl_jax.rollout.jax_scheduler import Sample
 from pipelinerl_jax.rollout.kv_memory import DenseKV, PagedKV, chunk_end
 from pipelinerl_jax.rollout.page_allocator import PageAllocator, pages_for
-from pipelinerl_jax.types import GenerationRequest, SamplingParams
+from pipelinerl_jax.records import GenerationRequest, SamplingParams
 
 C, SLOTS, STEPS, MAX_LEN = 4, 4, 4, 64
 

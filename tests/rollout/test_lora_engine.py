@@ -13,7 +13,7 @@ from flax import nnx
 from pipelinerl_jax.models import (LoRASpec, WeightsMismatch, adapter_params, add_lora,
                                    decoder_from_flat, flat_params, merged_params)
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.weight_version import WeightVersion, WeightVersionRefused
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
 from tests.rollout.conftest import SHAPE, make_model, random_requests

@@ -141,7 +141,7 @@ def test_make_sglang_engine_drives_the_rollout_worker(tmp_path):
     from pipelinerl_jax.rollout.factory import make_engine
     from pipelinerl_jax.rollout.worker import RolloutWorker
     from pipelinerl_jax.tasks import get_task
-    from pipelinerl_jax.tokenizers import get_tokenizer
+    from pipelinerl_jax.tokenizer import get_tokenizer
     from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
     from pipelinerl_jax.transport.versioned_dir import write_versioned_dir
     from pipelinerl_jax.transport.weight_sink import weights_dir

@@ -11,7 +11,6 @@ import threading
 import time
 import urllib.error
 
-import numpy as np
 import pytest
 from flax import nnx
 

@@ -44,9 +44,9 @@ def test_startup_503_and_intermittent_503s_are_retried(procs):
     procs.append(stub("--startup-delay-s", "0.6", "--startup-503-s", "0.5", "--fail-every", "2",
                       wait_ready=False))
     p = procs[0]
-    t0 = time.monotonic()
     eng = SGLangEngine([p.url], dict(FAST, max_retries=3), vocab_size=64, max_seq_len=64)
-    assert time.monotonic() - t0 >= 1.0  # it waited for /health to stop answering 503
+    health = p.stats()["counts"]  # it waited for /health to stop answering 503
+    assert health["health_503"] >= 1 and health["health_ok"] >= 1
     with eng:
         out = [eng.generate([request(f"r{i}", [1, 2, i], max_new_tokens=5)])[0]
                for i in range(6)]
@@ -135,10 +135,10 @@ def test_close_returns_unanswered_samples_as_aborted(procs):
     eng.submit(request("slow", [1], max_new_tokens=3, n=2))
     eng.submit(request("queued", [1], max_new_tokens=3))
     time.sleep(0.2)
-    t0 = time.monotonic()
     eng.close()
-    assert time.monotonic() - t0 < 5.0
     out = eng.get_completions()
+    # close did not wait out the 30 s reply: the server finished no sample
+    assert not [r for r in procs[0].record() if r["finish_reason"]["type"] != "abort"]
     assert sorted((c.request_id, c.finish_reason) for c in out) == [
         ("queued", "abort"), ("slow", "abort"), ("slow", "abort")]
     assert eng.health()["closed"] and not eng.health()["ok"]

@@ -7,7 +7,7 @@ import time
 from pipelinerl_jax.rollout.worker import RolloutWorker
 from pipelinerl_jax.run_config import base_config, resolve, validate
 from pipelinerl_jax.tasks import get_task
-from pipelinerl_jax.tokenizers import get_tokenizer
+from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport import RolloutQueueClient, RolloutQueueServer
 from tests.envs.scripted_engine import ScriptedEngine
 

@@ -67,7 +67,7 @@ def _engine_trace(config, prompts, new_tokens):
     from pipelinerl_jax.models import Decoder, tiny_config
     from pipelinerl_jax.rollout.jax_engine import JaxEngine
     from pipelinerl_jax.sim.paged import record_engine
-    from pipelinerl_jax.types import GenerationRequest, SamplingParams
+    from pipelinerl_jax.records import GenerationRequest, SamplingParams
     cfg = tiny_config()
     rng = np.random.default_rng(0)
     reqs = [GenerationRequest(f"r{i}", rng.integers(1, cfg.vocab_size, p).astype(np.int32),

@@ -1,4 +1,4 @@
-"""The async queue bound holds per sample (issue 13, defect 2).
+"""The async queue bound holds per sample.
 
 A finished group is put whole into a queue of `queue.capacity_batches` batches; when it finds
 the queue full the put is held and, like the rollout worker, the samplers start nothing until

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport.codec import Limits
 from pipelinerl_jax.transport.queue_client import (
-    QueueUnavailable, RetryPolicy, RolloutQueueClient, RolloutRejected, SessionSupersededError,
-    TransportError)
+    QueueUnavailable, RolloutQueueClient, RolloutRejected, SessionSupersededError, TransportError)
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.queue_server import SERVICE, RolloutQueueServer
 from pipelinerl_jax.transport.security import TLSConfig
 from test_transport_codec import MUTATIONS, mutated

@@ -3,7 +3,7 @@ worker's does once the learner, its publisher, has exited at the end of a run)."
 import socket
 import time
 
-from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from tests.transport.flat_weights import FlatSubscriber as WeightSubscriber
 
 

@@ -1,13 +1,14 @@
-"""Regression cases of issue 23 ("Transport hardening"), one named test per finding.
+"""The transport under hostile or oversized traffic, one named test per property:
 
-1 accepted groups lost to the 4 MiB piece size at max_message_bytes=1 MiB
-2 held rollouts keeping their whole put request (unknown fields included) alive
-3 uncapped request ids and remembered-id tables bounded only in entries
-4 --token_file read whole instead of its first line
-5 a weight header claiming hundreds of GiB killing the subscriber thread (MemoryError)
-6 a weight chunk whose `data` arrives with another wire type killing it (TypeError)
+- no accepted group is lost to the piece size at a small `max_message_bytes`, and a put that
+  could never be delivered is refused at put time (client and server);
+- a held rollout keeps only its counted bytes (no unknown fields kept alive);
+- request ids and the remembered-id tables are capped (in bytes, not only entries);
+- `--token_file` is read as its first line; a bad one fails with a clear error;
+- a weight header claiming hundreds of GiB, or a chunk whose `data` has another wire type,
+  is discarded and the subscriber lives on;
 plus: RESOURCE_EXHAUSTED that is not backpressure, the standalone server's non-loopback bind,
-and (issue 24) a malformed directory publication's path.
+and a malformed directory publication's path.
 """
 import os
 import subprocess
@@ -21,8 +22,9 @@ import pytest
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport.codec import Limits, rollout_to_pb, validate_rollout
 from pipelinerl_jax.transport.wire import len_field, varint as _varint
-from pipelinerl_jax.transport.queue_client import (
-    RetryPolicy, RolloutQueueClient, RolloutRejected, TransportError)
+from pipelinerl_jax.transport.queue_client import (RolloutQueueClient, RolloutRejected,
+                                                   TransportError)
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.queue_core import QueueCore
 from pipelinerl_jax.transport.queue_server import SERVICE, RolloutQueueServer
 from pipelinerl_jax.transport.security import load_token
@@ -59,7 +61,7 @@ def _rollout_of_size(group_id: str, group_size: int, nbytes: int) -> pb.Rollout:
 
 # ------------------------------------------------------------------ 1. no accepted group lost
 
-def test_issue23_1_two_large_rollouts_of_one_group_are_delivered_at_a_1mib_limit():
+def test_two_large_rollouts_of_one_group_are_delivered_at_a_1mib_limit():
     with RolloutQueueServer(max_message_bytes=MIB) as server:
         client = RolloutQueueClient(server.address, max_message_bytes=MIB, retry=FAST)
         group = make_group("big2", 2, completion=39_000)  # two ~0.6 MiB rollouts
@@ -71,7 +73,7 @@ def test_issue23_1_two_large_rollouts_of_one_group_are_delivered_at_a_1mib_limit
         assert client.stats()["held_rollouts"] == 0
 
 
-def test_issue23_1_a_put_that_could_never_be_delivered_is_refused_at_put_time():
+def test_a_put_that_could_never_be_delivered_is_refused_at_put_time():
     with RolloutQueueServer(max_message_bytes=MIB) as server:
         raw = pb.PutRequest(rollouts=[_rollout_of_size("exact", 1, MIB)]).SerializeToString()
         assert len(raw) == MIB  # gRPC lets exactly the limit through ...
@@ -83,7 +85,7 @@ def test_issue23_1_a_put_that_could_never_be_delivered_is_refused_at_put_time():
         assert client.stats()["held_rollouts"] == 0 and client.stats()["put_requests"] == 0
 
 
-def test_issue23_1_near_limit_rollout_batched_with_a_small_group_both_arrive():
+def test_near_limit_rollout_batched_with_a_small_group_both_arrive():
     with RolloutQueueServer(max_message_bytes=MIB) as server:
         near = _rollout_of_size("near", 1, MIB - 2048)  # deliverable on its own
         assert _raw_put(server.address, pb.PutRequest(rollouts=[near]).SerializeToString())[0] \
@@ -97,7 +99,7 @@ def test_issue23_1_near_limit_rollout_batched_with_a_small_group_both_arrive():
         assert client.stats()["held_rollouts"] == 0 and client.stats()["held_bytes"] == 0
 
 
-def test_issue23_1_client_refuses_an_undeliverable_rollout_before_sending():
+def test_client_refuses_an_undeliverable_rollout_before_sending():
     with RolloutQueueServer(max_message_bytes=MIB) as server:
         client = RolloutQueueClient(server.address, max_message_bytes=MIB)
         exact = make_rollout("exact", 1, completion=(MIB - 200) // 16)
@@ -107,7 +109,7 @@ def test_issue23_1_client_refuses_an_undeliverable_rollout_before_sending():
         assert client.stats()["put_invalid"] == 0  # never sent
 
 
-def test_issue23_1_a_batch_whose_stream_broke_is_delivered_again_to_the_same_session():
+def test_a_batch_whose_stream_broke_is_delivered_again_to_the_same_session():
     server = RolloutQueueServer(max_message_bytes=MIB)  # handlers only, never started
     for g in ("a", "b"):
         raw = pb.PutRequest(rollouts=[_rollout_of_size(g, 1, 600_000)]).SerializeToString()
@@ -125,7 +127,7 @@ def test_issue23_1_a_batch_whose_stream_broke_is_delivered_again_to_the_same_ses
     assert all(len(p.SerializeToString()) <= MIB for p in pieces)
 
 
-def test_issue23_1_a_batch_too_large_for_the_client_is_not_reported_as_a_rejected_rollout():
+def test_a_batch_too_large_for_the_client_is_not_reported_as_a_rejected_rollout():
     with RolloutQueueServer(max_message_bytes=4 * MIB) as server:
         producer = RolloutQueueClient(server.address, max_message_bytes=4 * MIB)
         producer.put_group(make_group("wide", 2, completion=40_000))  # one ~1.3 MB piece
@@ -138,7 +140,7 @@ def test_issue23_1_a_batch_too_large_for_the_client_is_not_reported_as_a_rejecte
 
 # ------------------------------------------------------------------ 2. memory = what is counted
 
-def test_issue23_2_a_held_rollout_keeps_only_its_counted_bytes():
+def test_a_held_rollout_keeps_only_its_counted_bytes():
     marker = b"UNKNOWN-FIELD-MARKER"
     payload = marker * (MIB // len(marker))
     m = rollout_to_pb(make_rollout("g", 1))
@@ -162,7 +164,7 @@ def test_issue23_2_a_held_rollout_keeps_only_its_counted_bytes():
 # ------------------------------------------------------------------ 3. string caps, bounded tables
 
 @pytest.mark.parametrize("field", ["request_id", "producer_id"])
-def test_issue23_3_put_ids_are_capped(field):
+def test_put_ids_are_capped(field):
     with RolloutQueueServer() as server:
         request = pb.PutRequest(rollouts=[rollout_to_pb(make_rollout("g", 1))])
         setattr(request, field, "x" * MIB)
@@ -172,7 +174,7 @@ def test_issue23_3_put_ids_are_capped(field):
         assert _raw_put(server.address, request.SerializeToString())[0] == grpc.StatusCode.OK
 
 
-def test_issue23_3_get_batch_ack_and_stats_ids_are_capped():
+def test_get_batch_ack_and_stats_ids_are_capped():
     server = RolloutQueueServer()
     long = "x" * 10_000
     cases = [("GetBatch", pb.GetBatchRequest(num_groups=1, session_id=long), "session_id"),
@@ -190,7 +192,7 @@ def test_issue23_3_get_batch_ack_and_stats_ids_are_capped():
         assert e.value.args[1].startswith(f"{field}: "), e.value.args
 
 
-def test_issue23_3_remembered_ids_are_bounded_in_bytes():
+def test_remembered_ids_are_bounded_in_bytes():
     core = QueueCore(capacity_rollouts=10_000, remember_bytes=64 << 10)
     core.set_version(0)
     for i in range(2000):
@@ -204,7 +206,7 @@ def test_issue23_3_remembered_ids_are_bounded_in_bytes():
 
 # ------------------------------------------------------------------ 4. token files
 
-def test_issue23_4_a_token_file_is_read_as_its_first_line_by_server_and_client(tmp_path):
+def test_a_token_file_is_read_as_its_first_line_by_server_and_client(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("line-one\nline-two\n")
     assert load_token(token_file=str(token_file)) == "line-one"
@@ -225,7 +227,7 @@ def test_issue23_4_a_token_file_is_read_as_its_first_line_by_server_and_client(t
 @pytest.mark.parametrize("content,why", [("", "empty"), ("\nsecond\n", "empty"),
                                          ("tok en\n", "character"), ("t\x01k\n", "character"),
                                          ("x" * 5000, "longer")])
-def test_issue23_4_a_bad_token_file_fails_with_a_clear_error(tmp_path, content, why):
+def test_a_bad_token_file_fails_with_a_clear_error(tmp_path, content, why):
     token_file = tmp_path / "token"
     token_file.write_text(content)
     with pytest.raises(ValueError, match=why) as e:
@@ -233,7 +235,8 @@ def test_issue23_4_a_bad_token_file_fails_with_a_clear_error(tmp_path, content, 
     assert str(token_file) in str(e.value)
 
 
-def test_issue23_4_standalone_server_reads_the_first_line_of_its_token_file(tmp_path):
+@pytest.mark.slow  # starts the standalone server process
+def test_standalone_server_reads_the_first_line_of_its_token_file(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("abc\ncomment: rotated 2026-12-01\n")
     proc = subprocess.Popen(
@@ -269,7 +272,7 @@ def _chunk_with_varint_data() -> list:
 
 
 @pytest.mark.parametrize("hostile", ["huge_header", "data_wire_type"])
-def test_issue23_5_6_a_hostile_version_is_discarded_and_the_subscriber_lives_on(hostile):
+def test_a_hostile_version_is_discarded_and_the_subscriber_lives_on(hostile):
     bad = [_huge_header()] if hostile == "huge_header" else _chunk_with_varint_data()
     good = good_frames(8, params_of(8), publisher_id="hostile")
     applied = []
@@ -287,7 +290,7 @@ def test_issue23_5_6_a_hostile_version_is_discarded_and_the_subscriber_lives_on(
             sub.close()
 
 
-def test_issue23_5_a_version_is_bounded_by_the_shapes_the_subscriber_expects():
+def test_a_version_is_bounded_by_the_shapes_the_subscriber_expects():
     expected = {"a": (300,), "b": (3, 5)}
     wrong = {"a": np.zeros(301, np.float32), "b": np.zeros((3, 5), np.int32)}
     extra = {**params_of(9), "c": np.zeros(4, np.float32)}
@@ -395,6 +398,7 @@ def test_backpressure_is_still_retried():
         assert not t.is_alive()
 
 
+@pytest.mark.slow  # starts the standalone server process
 def test_standalone_server_refuses_an_insecure_non_loopback_bind():
     proc = subprocess.run(
         [sys.executable, "-m", "pipelinerl_jax.transport.queue_server", "--host", "0.0.0.0",

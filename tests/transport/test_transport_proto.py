@@ -3,10 +3,10 @@ methods the proto declares."""
 import ast
 import re
 
-import pytest
 
 from pipelinerl_jax.transport import gen_proto, rollout_pb2
 from pipelinerl_jax.transport.queue_server import RolloutQueueServer
+from tests.optional_deps import optional
 
 
 def _descriptor_bytes(path: str) -> bytes:
@@ -22,7 +22,7 @@ def _method_paths(path: str) -> set:
 
 
 def test_generated_modules_are_current(tmp_path):
-    pytest.importorskip("grpc_tools")  # dev extra (grpcio-tools)
+    optional("grpc_tools")  # grpcio-tools regenerates the modules
     fresh_pb2, fresh_grpc = gen_proto.generate(str(tmp_path))
     base = f"{gen_proto.REPO_ROOT}/pipelinerl_jax/transport"
     # The descriptor captures every message, field and service of the .proto; comparing it

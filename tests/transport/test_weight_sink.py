@@ -4,12 +4,12 @@ import os
 import numpy as np
 import pytest
 
-from pipelinerl_jax import sharding
 from pipelinerl_jax.models import (LoRASpec, flat_params, from_pretrained, save_pretrained,
                                    tiny_config)
+from pipelinerl_jax.models.factory import create_model
 from pipelinerl_jax.models.lora import base_identity
 from pipelinerl_jax.run_config import base_config
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.versioned_dir import list_versions, version_dir
 from pipelinerl_jax.transport.weight_sink import (HFDirSink, StreamSink, hf_checkpoint_writer,
                                                   make_weight_sink, read_weight_version,
@@ -63,7 +63,7 @@ def test_stream_sink_ships_the_arrays_and_the_policy_version(tmp_path):
 
 def test_hf_dir_sink_writes_what_save_pretrained_writes_and_announces_it(tmp_path):
     init = str(tmp_path / "init")
-    save_pretrained(sharding.create_model(MODEL, seed=0), init)
+    save_pretrained(create_model(MODEL, seed=0), init)
     cfg = base_config()
     cfg.sampler.keep_weight_versions = 2
     got = Received()
@@ -71,7 +71,7 @@ def test_hf_dir_sink_writes_what_save_pretrained_writes_and_announces_it(tmp_pat
                             init_checkpoint=init)
     assert isinstance(sink, HFDirSink) and sink.root == str(tmp_path / "weights")
     sub = WeightSubscriber(sink.publisher.address, got, retry=FAST)
-    models = [sharding.create_model(MODEL, seed=s) for s in (1, 2, 3)]
+    models = [create_model(MODEL, seed=s) for s in (1, 2, 3)]
     try:
         for version, model in enumerate(models):
             sink.publish(version, flat_params(model), policy_version=max(0, version - 1))
@@ -99,10 +99,10 @@ def test_hf_dir_sink_writes_what_save_pretrained_writes_and_announces_it(tmp_pat
 
 def test_hf_dir_sink_refuses_weights_of_another_model(tmp_path):
     init = str(tmp_path / "init")
-    save_pretrained(sharding.create_model(MODEL, seed=0), init)
+    save_pretrained(create_model(MODEL, seed=0), init)
     sink = HFDirSink(str(tmp_path / "w"), WeightPublisher(), hf_checkpoint_writer(init))
     try:
-        params = flat_params(sharding.create_model(MODEL, seed=1))
+        params = flat_params(create_model(MODEL, seed=1))
         params["extra/kernel"] = np.zeros(2, np.float32)
         with pytest.raises(KeyError, match="extra/kernel"):
             sink.publish(0, params)
@@ -142,14 +142,14 @@ def test_hf_dir_sink_of_a_lora_run_writes_peft_adapter_directories(tmp_path):
     from pipelinerl_jax.models import adapter_params
     from pipelinerl_jax.models.peft_io import read_peft_dir
     init = str(tmp_path / "init")
-    save_pretrained(sharding.create_model(MODEL, seed=0), init)
+    save_pretrained(create_model(MODEL, seed=0), init)
     cfg = base_config()
     cfg.lora.enabled, cfg.lora.rank, cfg.lora.alpha = True, 2, 4.0
     cfg.lora.targets = "q_proj,down_proj"
     spec = SPEC
     sink = make_weight_sink("hf_dir", cfg, str(tmp_path), publisher=WeightPublisher(),
                             init_checkpoint=init)
-    adapters = adapter_params(sharding.create_model(MODEL, seed=1, lora=spec))
+    adapters = adapter_params(create_model(MODEL, seed=1, lora=spec))
     got = Received()
     sub = WeightSubscriber(sink.publisher.address, got, retry=FAST)
     try:

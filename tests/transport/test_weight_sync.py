@@ -13,7 +13,7 @@ import pytest
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport import weights
 from pipelinerl_jax.transport.weight_version import WeightVersion
-from pipelinerl_jax.transport.queue_client import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.security import TLSConfig
 from tests.transport.flat_weights import FlatPublisher as WeightPublisher, FlatSubscriber as WeightSubscriber
 from transport_testlib import eventually, publisher_main, self_signed_pair

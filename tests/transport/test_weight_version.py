@@ -9,7 +9,7 @@ import pytest
 
 from pipelinerl_jax.models import LoRASpec
 from pipelinerl_jax.transport import rollout_pb2 as pb
-from pipelinerl_jax.transport.security import RetryPolicy
+from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.weight_version import (WeightVersion, WeightVersionRefused,
                                                      check_receivable)
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber

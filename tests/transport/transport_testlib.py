@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from pipelinerl_jax import types
+from pipelinerl_jax import records
 
 
 class HandlerContext:
@@ -40,9 +40,9 @@ class HandlerContext:
 
 def make_rollout(group_id: str = "g", group_size: int = 1, completion: int = 6,
                  prompt: int = 3, version: int = 0, member: int = 0,
-                 producer: int = 0) -> types.Rollout:
+                 producer: int = 0) -> records.Rollout:
     """A valid rollout; `member`/`producer` are recorded in metrics to identify it later."""
-    return types.Rollout(
+    return records.Rollout(
         prompt_ids=np.arange(1, prompt + 1, dtype=np.int32),
         completion_ids=(np.arange(completion, dtype=np.int32) * 7) % 100,
         logp_behaviour=-np.linspace(0.1, 2.0, completion).astype(np.float32),
@@ -64,7 +64,8 @@ def producer_main(address: str, producer: int, num_groups: int, group_size: int,
                   split_every: int, out_q, hold_s: float = 1.0, completion: int = 6) -> None:
     """Puts `num_groups` groups; every `split_every`-th group goes in two pieces with another
     group's put in between. Reports the client's retry counts."""
-    from pipelinerl_jax.transport.queue_client import RetryPolicy, RolloutQueueClient
+    from pipelinerl_jax.transport.queue_client import RolloutQueueClient
+    from pipelinerl_jax.transport.retry import RetryPolicy
     client = RolloutQueueClient(address, hold_s=hold_s,
                                 retry=RetryPolicy(initial_s=0.005, max_s=0.05))
     client.wait_ready(30)

@@ -1,4 +1,4 @@
-"""Plain data types that cross module boundaries: engine requests/completions and rollouts.
+"""Plain records that cross module and process boundaries: engine requests/completions and rollouts.
 
 Arrays are NumPy (host) arrays: these objects travel between processes, never device
 buffers. Per-token provenance follows DESIGN.md ("Provenance"):

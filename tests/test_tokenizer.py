@@ -7,7 +7,7 @@ import pytest
 
 from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.tasks import get_task, task_config
-from pipelinerl_jax.tokenizers import (CHAR_VOCAB, CharTokenizer, HFTokenizer, get_tokenizer,
+from pipelinerl_jax.tokenizer import (CHAR_VOCAB, CharTokenizer, HFTokenizer, get_tokenizer,
                                        tokenizer_config)
 
 TEXTS = ["Héllo wörld — 😀 #### 42\n", "$1,000.50 \\boxed{7}", "  leading and trailing  ", ""]
