@@ -60,13 +60,15 @@ def check_inprocess(cfg) -> None:
 
 class WorkerSink:
     """The learner's weight sink when the worker is in this process: each version goes
-    straight to `on_weights` (what the weight subscriber calls in the pipeline)."""
+    straight to `on_weights` (what the weight subscriber calls in the pipeline), as the run's
+    `describes` (a `WeightVersion` description) carrying the learner's tensors."""
 
-    def __init__(self, on_weights):
-        self.on_weights = on_weights
+    def __init__(self, on_weights, describes):
+        self.on_weights, self.describes = on_weights, describes
 
     def publish(self, version: int, params, policy_version=None) -> None:
-        self.on_weights(version, params, policy_version)
+        self.on_weights(self.describes.carrying(version, tensors=params,
+                                                policy_version=policy_version))
 
     def close(self) -> None:
         pass
@@ -108,11 +110,14 @@ def train(cfg, workdir: str, init_ckpt: str, stop: Optional[threading.Event] = N
     from pipelinerl_jax.rollout.worker import RolloutWorker
     from pipelinerl_jax.tokenizer import get_tokenizer
     from pipelinerl_jax.transport.local_queue import LocalQueue
+    from pipelinerl_jax.transport.weight_version import describe_run
     tok, task = get_tokenizer(cfg.tokenizer), build_task(cfg)
     queue = LocalQueue.from_config(cfg.transport)
     engine = make_engine(cfg, init_ckpt, 0, workdir)
     worker = RolloutWorker(cfg, engine, task, tok, queue, worker_index=0, workdir=workdir)
-    evals = InlineEvaluator(cfg, workdir, init_ckpt) if cfg.learner.eval_every > 0 else None
+    describes = describe_run(cfg, init_ckpt)
+    evals = (InlineEvaluator(cfg, workdir, init_ckpt, describes)
+             if cfg.learner.eval_every > 0 else None)
     stop, failed = stop or threading.Event(), []
 
     def sample():
@@ -126,7 +131,7 @@ def train(cfg, workdir: str, init_ckpt: str, stop: Optional[threading.Event] = N
     thread.start()
     try:
         out = run_learner(cfg, workdir, init_ckpt, stop_event=stop, batches=queue,
-                          weight_sink=WorkerSink(worker.on_weights), evals=evals)
+                          weight_sink=WorkerSink(worker.on_weights, describes), evals=evals)
     except Exception as e:
         record_learner_stopped(workdir, e)  # a diverged learner is an outcome (outcome.py)
         raise

@@ -410,7 +410,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
                 publication=publication, batch=batch, feed=feed, rollouts=rollouts,
                 metrics=metrics, control=control)
             if recorder is not None:  # the exact arrays just trained on, for replay
-                recorder.record(step, version - 1, batch.batch_id, rollouts, packed.arrays, record)
+                recorder.record(step, version - 1, batch.batch_id, rollouts, packed.arrays, record,
+                                packed.engines)
             files.metrics(step, record)
             if step % L.checkpoint_every == 0 or step == L.total_steps:
                 save_checkpoint(acks, progress, state, clock() - t0, publication, injector)

@@ -53,9 +53,11 @@ class BatchRecorder:
                                             "config": config or {}}, indent=2).encode())
 
     def record(self, step: int, version: int, batch_id: str, rollouts,
-               arrays: Dict[str, np.ndarray], metrics: dict) -> None:
+               arrays: Dict[str, np.ndarray], metrics: dict, engines=()) -> None:
         """Step `step` trained at policy version `version` on `arrays` (`PackedBatch.arrays`)
-        packed from `rollouts` (in row order); `metrics` is the step's metrics.jsonl record."""
+        packed from `rollouts` (in row order); `metrics` is the step's metrics.jsonl record;
+        `engines`: `PackedBatch.engines`, the names `arrays["engine"]` indexes (a replay
+        reports the per-engine metrics under them)."""
         name = step_file(step)
         path = os.path.join(self.directory, name)
         with open(path + ".tmp", "wb") as f:
@@ -65,7 +67,7 @@ class BatchRecorder:
             "step": int(step), "version": int(version), "batch_id": batch_id, "file": name,
             "group_ids": [r.group_id for r in rollouts],
             "rewards": [float(r.reward) for r in rollouts],
-            "metrics": metrics}])
+            "engines": list(engines), "metrics": metrics}])
 
 
 def recorder(cfg, workdir: str, init_checkpoint: str) -> Optional[BatchRecorder]:

@@ -126,7 +126,7 @@ def run_replay(cfg, recording_path: str, workdir: str, init_checkpoint: Optional
                                             f"mesh's batch axes ({divisor})")
         t_step = time.time()
         state, metrics = step_fn(state, ts.place_batch(arrays, mesh))
-        metrics = flatten_metrics(jax.device_get(metrics))
+        metrics = flatten_metrics(jax.device_get(metrics), entry.get("engines", ()))
         step_s = time.time() - t_step
         step += 1
         data = {k: v for k, v in entry["metrics"].items() if k.startswith(DATA_KEYS)}

@@ -53,9 +53,11 @@ TENSOR_KEY = "engine.tensor_parallel"
 
 def engine_mesh(tensor: int = 0, devices: Optional[Sequence[Any]] = None) -> Mesh:
     """A `(1, 1, tensor)` mesh over the first `tensor` of `devices` (default: the devices
-    this process sees, i.e. its role's); `tensor=0`: all of them."""
+    this process sees, i.e. its role's); `tensor=0`: all of them on an accelerator, one on
+    CPU (virtual host devices share the process's cores: splitting the model over them gains
+    nothing, and a test process's 8 of them would split a tiny model's heads)."""
     devices = list(jax.devices() if devices is None else devices)
-    tensor = tensor or len(devices)
+    tensor = tensor or (1 if devices[0].platform == "cpu" else len(devices))
     if tensor > len(devices):
         raise cfg_lib.ConfigError(TENSOR_KEY, f"{tensor} exceeds the {len(devices)} "
                                               f"{devices[0].platform} device(s) of this role")

@@ -100,9 +100,10 @@ class InlineEvaluator:
     `launch/inprocess.py`): the `EvalOutbox` interface the learner hands versions to, but each
     due version is evaluated at once, by the role's engine and `Evaluator`, from the flat
     params themselves (the role reads them back from the float32 HF directory the outbox
-    writes: the same values), and its record written to `eval.jsonl` as the role writes it."""
+    writes: the same values), and its record written to `eval.jsonl` as the role writes it.
+    `describes`: the run's `WeightVersion` description (full weights, or LoRA adapters)."""
 
-    def __init__(self, cfg, workdir: str, init_checkpoint: str):
+    def __init__(self, cfg, workdir: str, init_checkpoint: str, describes):
         from pipelinerl_jax.envs import build_task
         from pipelinerl_jax.metrics import MetricsWriter
         from pipelinerl_jax.rollout.evaluator import Evaluator, eval_view
@@ -114,6 +115,7 @@ class InlineEvaluator:
                                    get_tokenizer(cfg.tokenizer))
         self.writer = MetricsWriter(workdir, EVAL_LOG, tb_suffix=".evaluator")
         self.evaluated = []
+        self.describes = describes  # the run's WeightVersion description
 
     def put(self, version: int, flat) -> bool:
         """Evaluates `version` when it is due; returns whether it did."""
@@ -128,7 +130,8 @@ class InlineEvaluator:
             self._evaluate(version, flat)
 
     def _evaluate(self, version: int, flat) -> None:
-        self.engine.update_weights(flat, version, allow_older=version <= self.engine.version)
+        self.engine.update_weights(self.describes.carrying(version, tensors=flat), version,
+                                   allow_older=version <= self.engine.version)
         metrics = self.evaluator.run(version)
         self.writer.write(version, {"version": version, **metrics})
         self.evaluated.append(version)

@@ -95,7 +95,7 @@ def engine_config() -> ml_collections.ConfigDict:
     c.logprob_mode = "sampled"  # 'sampled' (truncated, renormalised) | 'tempered'
     c.dtype = "float32"  # parameter and compute dtype of the engine's copy of the model
     # the engine mesh's tensor axis (heads, MLP and the KV cache split over it, as the
-    # learner's rules say; engine_programs.py); 0 = every device the role is given
+    # learner's rules say; engine_programs.py); 0 = every device the role is given (one on CPU)
     c.tensor_parallel = 0
     c.max_stop_tokens = 8  # stop ids per request
     c.seed = 0  # seeds the per-request seeds of requests that give none

@@ -8,7 +8,7 @@ import os
 import ml_collections
 import pytest
 
-from pipeline_testlib import make_init_checkpoint
+from tests.pipeline_testlib import make_init_checkpoint
 from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation import grid, runner
 from pipelinerl_jax.ablation.same_run import differences

@@ -101,4 +101,5 @@ def test_meshes_the_heads_cannot_split_name_the_key():
         engine_programs(tiny_config(), cfg, sharding.make_mesh((1, 1, 8)))  # 8 vs H = 4
     with pytest.raises(ConfigError, match=r"^engine\.tensor_parallel:.*exceeds"):
         engine_mesh(9)
-    assert engine_mesh(0).shape["tensor"] == 8  # every device this process sees
+    assert engine_mesh(0).shape["tensor"] == 1  # CPU: one device (virtual devices share cores)
+    assert engine_mesh(8).shape["tensor"] == 8
