@@ -100,6 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
         max_consecutive_skips=20,
         get_timeout_s=2.0,
         record_batches=False,  # WORKDIR/recorded/: every trained batch, for replay
+        # the dtype versions are published in (floating params): 'auto' = the embedded
+        # engine's `engine.dtype` when narrower than `model.param_dtype` (what the engine
+        # casts to anyway), else as trained | 'float32' | 'bfloat16' | 'float16'
+        publish_dtype="auto",
     ))
     c.warm_start = ml_collections.ConfigDict(dict(
         steps=0,  # supervised steps on the task's demonstrations before RL (0 = none)
@@ -173,6 +177,37 @@ def lag_limits(cfg):
         return 0, None  # the lag is prescribed; nothing is stale by accident
     limit = 0 if cfg.mode == "sync" else int(cfg.max_lag)
     return limit, limit
+
+
+PUBLISH_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def publish_dtype(cfg):
+    """The dtype the learner publishes versions in (`learner.publish_dtype`), or None to
+    publish them as trained. 'auto': the embedded engine's `engine.dtype` when it is narrower
+    than `model.param_dtype` (a float32 learner feeding a bf16 engine sends bf16: half the
+    bytes, the same weights served), else None; an SGLang sampler loads what it is sent in
+    its own dtype, so 'auto' leaves it alone. Lag injection keeps its history of versions in
+    the learner's dtype (its checkpoint restores it like the params), so it publishes as
+    trained."""
+    import jax.numpy as jnp  # late: JAX
+    from pipelinerl_jax.models.config import dtype_of
+    want = cfg.learner.publish_dtype
+    if want not in PUBLISH_DTYPES:
+        raise ConfigError("learner.publish_dtype", f"must be one of {PUBLISH_DTYPES}, "
+                                                   f"got {want!r}")
+    trained = jnp.dtype(dtype_of(cfg.model.param_dtype))
+    if want == "auto":
+        if cfg.sampler.kind != "jax" or cfg.lag_injection.enabled:
+            return None
+        engine = jnp.dtype(dtype_of(cfg.engine.dtype))
+        return engine if engine.itemsize < trained.itemsize else None
+    if cfg.lag_injection.enabled:
+        raise ConfigError("learner.publish_dtype", f"{want!r} with lag_injection.enabled: the "
+                          "injector keeps and checkpoints versions in the learner's dtype; "
+                          "leave it 'auto'")
+    target = jnp.dtype(dtype_of(want))
+    return None if target == trained else target
 
 
 def completion_tokens(cfg) -> int:
@@ -334,6 +369,7 @@ def validate(cfg) -> None:
     _int(cfg, "learner.eval_every")
     if L.recompute_proximal not in ("auto", True, False):
         raise ConfigError("learner.recompute_proximal", "must be 'auto', True or False")
+    publish_dtype(cfg)  # validates learner.publish_dtype
     if not isinstance(L.record_batches, bool):
         raise ConfigError("learner.record_batches", f"must be True or False, "
                                                     f"got {L.record_batches!r}")

@@ -4,7 +4,9 @@ For each `programs.Program`: lower and compile it for the topology (libtpu's com
 read what the compiler reports for one chip of the SPMD program:
 
     hbm_bytes_per_chip = arguments + outputs - aliased (donated) + temporaries + code
-                         (+ the arguments of `resident_from`, held while it runs); XLA:TPU
+                         (+ the arguments of `resident_from`, held while it runs; or, with
+                         `alongside`, that program's whole footprint + this one's outputs,
+                         the two live together); XLA:TPU
                          refuses to compile a program whose buffers exceed the chip, and
                          its message (temporaries needed, HBM available) is the verdict
     flops, bytes_accessed   from `cost_analysis()` (XLA's HLO cost model; a Mosaic kernel
@@ -147,13 +149,17 @@ def compile_program(prog: Program, chip: Chip, dump_dir: Optional[str] = None) -
 def check_programs(progs: List[Program], chips: Dict[str, Chip],
                    dump_dir: Optional[str] = None, log=print) -> List[Result]:
     """Compiles `progs` (role -> its chip in `chips`), adds resident bytes, logs each."""
-    results, args = [], {}
+    results, args, totals = [], {}, {}
     for prog in progs:
         res, arg_bytes = compile_program(prog, chips[prog.role], dump_dir)
         args[prog.name] = arg_bytes
         if res.compiled and prog.resident_from:
             res.memory["resident"] = args.get(prog.resident_from, 0)
             res.hbm_bytes_per_chip += res.memory["resident"]
+        if res.compiled and prog.alongside:
+            res.memory["alongside"] = totals.get(prog.alongside, 0)
+            res.hbm_bytes_per_chip = res.memory["outputs"] + res.memory["alongside"]
+        totals[prog.name] = res.hbm_bytes_per_chip
         results.append(res)
         log(describe(res))
     return results

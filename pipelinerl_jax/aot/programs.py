@@ -8,6 +8,11 @@ run's own jitted function, so what compiles here is what the run executes:
                               learner mesh (`mesh.shape` over `resources.learner_devices`),
                               the packed batch at its largest row bucket (one sequence a row:
                               the most rows a batch can pack into), LoRA or full parameters;
+    learner/publish           the snapshot a version is published from
+                              (`multihost.snapshot_program`: a copy of the params cast to
+                              `learner.publish_dtype`), alive while the next train step runs
+                              (until its transfer to host ends): its HBM is the train step's
+                              plus the snapshot (`alongside`), the worst case;
     engine/prefill[b,t]       the engine's prefill (`rollout/engine_programs.py`) at its
                               largest batch and prompt buckets;
     engine/decode[rows,len]   the engine's decode chunk (`engine.steps_per_sync` steps, paged,
@@ -16,7 +21,7 @@ run's own jitted function, so what compiles here is what the run executes:
                               its per-context cost);
     engine/reshard            a weight update on the engine's chips: the learner's layout
                               (its mesh shape, or fsdp over the engine's chips when the counts
-                              differ) and parameter dtype into the engine's shardings and
+                              differ) and published dtype into the engine's shardings and
                               dtype, as one jitted copy; the engine keeps serving meanwhile,
                               so its live weights and KV pool are resident too (`resident`).
 
@@ -40,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.learner import batching, loop, train_step as ts
+from pipelinerl_jax.learner import batching, loop, multihost, train_step as ts
 from pipelinerl_jax.models import Decoder
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models.factory import resolve_model_config
@@ -49,7 +54,7 @@ from pipelinerl_jax.resources import parse_indices
 from pipelinerl_jax.rollout.engine_programs import engine_mesh, engine_programs
 from pipelinerl_jax.rollout.jax_scheduler import buckets
 from pipelinerl_jax.rollout.page_allocator import pages_for
-from pipelinerl_jax.run_config import completion_tokens
+from pipelinerl_jax.run_config import completion_tokens, publish_dtype
 from pipelinerl_jax.tokenizer import get_tokenizer
 
 # The TPU kernel's block sizes for an ahead-of-time compile (its tuned table reads the
@@ -78,6 +83,9 @@ class Program:
     work: dict
     devices: Sequence[Any]
     resident_from: Optional[str] = None  # a program whose arguments stay resident
+    # a program whose whole footprint is live beside this one's outputs (the published
+    # snapshot beside the next train step): HBM = that program's + these outputs
+    alongside: Optional[str] = None
     # concrete inputs -> inputs that make the program do its full work (a decode's slots
     # active, near the end of its attention bucket), for running it for real
     busy: Optional[Callable] = None
@@ -153,11 +161,18 @@ def learner_programs(cfg, devices: Sequence) -> List[Program]:
     replicated = NamedSharding(mesh, P())
     hparams = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                            step.hparams)
-    return [Program("learner/train_step", "learner",
+    train = Program("learner/train_step", "learner",
                     lambda: step.jitted.lower(state, batch, hparams),
                     "learner.micro_batches (or mesh.shape, lora.enabled)",
                     dict(tokens=chunks * rows * pack_len, sequences=num_seqs,
-                         chunks=chunks, rows=rows, pack_len=pack_len), devices)]
+                         chunks=chunks, rows=rows, pack_len=pack_len), devices)
+    dtype = publish_dtype(cfg)
+    publish = Program("learner/publish", "learner",
+                      lambda: multihost.snapshot_program(dtype).lower(state.params),
+                      "learner.publish_dtype (or learner.micro_batches, mesh.shape)",
+                      dict(params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)),
+                           dtype=str(dtype or "as trained")), devices, alongside=train.name)
+    return [train, publish]
 
 
 def sampler_programs(cfg, devices: Sequence, *, all_buckets: bool = False) -> List[Program]:
@@ -215,7 +230,7 @@ def busy_decode(args, *, length: int, steps: int):
 
 def _reshard(cfg, mc, progs, devices, resident: str) -> Program:
     """A weight update into the engine's shardings (module docstring)."""
-    src_dtype = dtype_of(cfg.model.param_dtype)
+    src_dtype = publish_dtype(cfg) or dtype_of(cfg.model.param_dtype)
     n = len(devices)
     shape = tuple(cfg.mesh.shape) if math.prod(cfg.mesh.shape) == n else (1, n, 1)
     src_mesh = sharding_lib.make_mesh(shape, devices)

@@ -65,7 +65,7 @@ from pipelinerl_jax.learner.checkpoint import Checkpointer
 from pipelinerl_jax.losses import flatten_metrics, loss_from_config
 from pipelinerl_jax.models import flat_params, from_pretrained
 from pipelinerl_jax.models.lora import attach_lora, base_identity, lora_spec
-from pipelinerl_jax.run_config import completion_tokens
+from pipelinerl_jax.run_config import completion_tokens, publish_dtype
 from pipelinerl_jax.tokenizer import get_tokenizer
 from pipelinerl_jax.transport.queue_client import Batch, QueueUnavailable
 
@@ -357,7 +357,8 @@ def run_learner(cfg, workdir: str, init_checkpoint: str, stop_event=None, *,
     acks = BatchAcks(batches, ckpt)
     lag_ctl = LagController.from_config(cfg)  # the allowed lag: fixed, or closed-loop
     recorder = recording.recorder(cfg, workdir, init_checkpoint)  # learner.record_batches
-    publication = Publication(Shipper(batches, weight_sink, injector, evals))
+    publication = Publication(Shipper(batches, weight_sink, injector, evals),
+                              dtype=publish_dtype(cfg))
     publication.submit(progress.version, state.params, lag_ctl.announce())
     publication.result()
     t0 = clock() - progress.wall_offset_s

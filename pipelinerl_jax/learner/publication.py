@@ -43,12 +43,14 @@ class Publication:
 
     `ship(version, host_params, *args) -> flat params`: runs on the background thread.
     `background`: False runs `ship` on the caller's thread (the blocking behaviour).
+    `dtype`: floating params are published in it (`learner.publish_dtype`; None: as trained).
     `last_duration_s` (host fetch + ship of the newest publication collected by `submit` or
     `result`) is written on the caller's thread only.
     """
 
-    def __init__(self, ship: Callable[[int, Any], Flat], background: bool = True):
-        self._ship = ship
+    def __init__(self, ship: Callable[[int, Any], Flat], background: bool = True,
+                 dtype=None):
+        self._ship, self.dtype = ship, dtype
         self._pool = futures.ThreadPoolExecutor(1, "weight-publish") if background else None
         self._pending: Optional[futures.Future] = None
         self.last_version = -1
@@ -66,7 +68,7 @@ class Publication:
         if version <= self.last_version:
             raise ValueError(f"version {version} published after {self.last_version}")
         self.result()
-        snapshot = multihost.snapshot_params(params)
+        snapshot = multihost.snapshot_params(params, dtype=self.dtype)
         self.last_version = version
         if self._pool is None:
             self._pending = futures.Future()

@@ -28,3 +28,34 @@ def test_a_refused_program_does_not_fit_and_names_its_key():
     assert msg.startswith("learner/train_step needs more than 32.92 GiB per chip")
     assert msg.endswith("change learner.micro_batches")
     assert res.summary()["out_of_memory"] is True
+
+
+def test_a_snapshot_beside_the_train_step_counts_both_and_can_tip_the_chip():
+    """`alongside`: the published snapshot lives while the next train step runs, so its HBM
+    is the step's whole footprint plus the snapshot; a step that fits alone can fail with it
+    (compiled here for the CPU host; the arithmetic is the check's, whatever the backend)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pipelinerl_jax.learner import multihost
+    cpu = jax.devices("cpu")[:1]
+    params = {"w": jax.ShapeDtypeStruct((512, 1024), jnp.float32)}  # 2 MiB
+    step = jax.jit(lambda p: jax.tree.map(lambda x: x * 2 + 1, p), donate_argnums=0)
+    train = Program("learner/train_step", "learner", lambda: step.lower(params),
+                    "learner.micro_batches", {"chunks": 1}, cpu)
+    publish = Program("learner/publish", "learner",
+                      lambda: multihost.snapshot_program(np.dtype(jnp.bfloat16)).lower(params),
+                      "learner.publish_dtype", {}, cpu, alongside=train.name)
+    [t, p] = check.check_programs([train, publish], {"learner": CHIPS["v5e"]},
+                                  log=lambda *a: None)
+    assert p.memory["outputs"] == 512 * 1024 * 2  # the bf16 snapshot
+    assert p.memory["alongside"] == t.hbm_bytes_per_chip
+    assert p.hbm_bytes_per_chip == t.hbm_bytes_per_chip + p.memory["outputs"]
+    small = dataclasses.replace(CHIPS["v5e"], hbm_bytes=t.hbm_bytes_per_chip + 1024)
+    [t, p] = check.check_programs([train, publish], {"learner": small}, log=lambda *a: None)
+    assert t.fits and not p.fits
+    [msg] = check.failures([t, p])
+    assert msg.startswith("learner/publish needs") and msg.endswith("learner.publish_dtype")

@@ -20,11 +20,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
     cfg = default.get_config()
+    cfg.engine.dtype = "bfloat16"  # a TPU engine's: the float32 learner publishes bf16
     summary = report.run(cfg, "v5e:2x2", dump_dir=str(tmp_path), log=lambda *a: None)
     progs = summary["programs"]
     assert sorted(progs) == ["engine/decode[rows=64,len=256]", "engine/decode[rows=64,len=64]",
                              "engine/prefill[b=4,t=256]", "engine/reshard",
-                             "learner/train_step"]
+                             "learner/publish", "learner/train_step"]
     assert summary["failures"] == []
     for name, p in progs.items():
         assert p["compiled"] and p["fits"], (name, p.get("error"))
@@ -43,6 +44,17 @@ def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
     assert decode["mosaic_calls"] == mc.num_layers
     hlo = (tmp_path / "engine_decode_rows=64,len=256_.hlo.txt").read_text()
     assert 'custom_call_target="tpu_custom_call"' in hlo
+    # the published snapshot: the params in bf16 (2 bytes each, on the learner's one chip;
+    # XLA:TPU pads small arrays to its tiles, a fraction of a percent here), live beside the
+    # whole train step
+    pub = progs["learner/publish"]
+    bf16_bytes = 2 * pub["work"]["params"]
+    assert pub["chips"] == 1 and pub["work"]["dtype"] == "bfloat16"
+    assert bf16_bytes <= pub["memory"]["outputs"] <= 1.01 * bf16_bytes
+    assert pub["memory"]["alongside"] == train["hbm_bytes_per_chip"]
+    assert pub["hbm_bytes_per_chip"] == train["hbm_bytes_per_chip"] + pub["memory"]["outputs"]
+    # the engine's weight update reads that bf16 (its arguments: the params in 2 bytes)
+    assert bf16_bytes <= progs["engine/reshard"]["memory"]["arguments"] <= 1.01 * bf16_bytes
     est = summary["estimates"]
     assert est["train_step_s"] == train["roofline_s"] * train["work"]["chunks"]
     assert est["decode_tokens_per_s_per_chip"] == pytest.approx(64 / decode["roofline_s"])
