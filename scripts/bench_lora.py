@@ -2,7 +2,7 @@
 version weighs, how long publication takes, what the learner holds, how long a step takes.
 
     python scripts/bench_lora.py [--layers N] [--rank 16] [--steps 3] [--seqs 4]
-                                 [--prompt 32] [--completion 96] [--smoke]
+                                 [--prompt 32] [--completion 96] [--smoke] [--checkpoint DIR]
 
 Bytes are exact and hardware-independent: for the full 24-layer shape they come from the
 abstract state (`nnx.eval_shape` / `jax.eval_shape`; nothing allocated), rank `--rank` on all
@@ -23,6 +23,13 @@ process, full then LoRA:
 * `compile_s` and `step_s`: the real train step (`learner.loop.make_step`: PPO loss, AdamW,
   micro-batches), compile apart, then the median of `--steps` steps.
 
+The timed model's weights are a random HF checkpoint loaded as the learner loads one
+(`from_pretrained` onto the mesh; for LoRA, `lora.attach_lora` then adds the adapters, as
+`learner.loop` does): `--checkpoint DIR` (its shape must be the timed one, e.g.
+`python -m pipelinerl_jax.models.random_checkpoint --out DIR [--layers N]`), else one written
+host-side with NumPy into a temporary directory (nothing compiled to make it: a whole-model
+jitted init took over 3 minutes to compile on an H200). Progress lines go to stderr.
+
 Prints one JSON line with `publish_bytes_ratio` and `learner_state_bytes_ratio` (LoRA / full,
 at the full shape) and the timings' ratios.
 """
@@ -31,7 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -42,14 +51,15 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from pipelinerl_jax import sharding  # noqa: E402
-from pipelinerl_jax.models.factory import create_model  # noqa: E402
 from pipelinerl_jax.learner import batching, loop, train_step as ts  # noqa: E402
-from pipelinerl_jax.models import (Decoder, config_qwen2_5_0_5b, flat_params,  # noqa: E402
-                                   tiny_config)
-from pipelinerl_jax.models.lora import LoRASpec, add_lora  # noqa: E402
+from pipelinerl_jax.models import Decoder, flat_params, from_pretrained, load_config  # noqa: E402
+from pipelinerl_jax.models.lora import LoRASpec, add_lora, attach_lora  # noqa: E402
+from pipelinerl_jax.models.random_checkpoint import (SHAPES, check_checkpoint_shape,  # noqa: E402
+                                                     write_random_checkpoint)
 from pipelinerl_jax.run_config import base_config  # noqa: E402
 from pipelinerl_jax.transport.weight_version import WeightVersion  # noqa: E402
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber  # noqa: E402
+from scripts.bench_progress import progress  # noqa: E402
 from scripts.bench_real_size import synthetic_rollouts  # noqa: E402
 
 
@@ -115,11 +125,18 @@ def time_publication(params, repeats: int) -> dict:
             "publish_times_s": [round(x, 4) for x in times], "received_bytes": got["n"]}
 
 
-def time_learner(cfg, spec, a) -> dict:
+def time_learner(cfg, spec, a, ckpt: str) -> dict:
+    """The learner of `cfg` (weights from `ckpt`; LoRA adapters of `spec` when given) timed."""
+    kind = "full" if spec is None else "lora"
     run = base_config()
     run.learner.micro_batches = a.micro_batches
     mesh = sharding.make_mesh((1, 1, 1))
-    model = create_model(cfg, mesh, seed=0, lora=spec)
+    t = time.perf_counter()
+    model = from_pretrained(ckpt, dtype=cfg.dtype, param_dtype=cfg.param_dtype, mesh=mesh)
+    if spec is not None:  # fresh adapters (A random, B zero), placed as the learner places them
+        attach_lora(model, spec, mesh, seed=1)
+    progress(f"{kind}: model loaded{' and adapters attached' if spec else ''} in "
+             f"{time.perf_counter() - t:.1f} s")
     optimizer, _ = ts.make_optimizer(run.learner.optimizer)
     state = ts.init_state(model, optimizer, mesh)
     step = loop.make_step(run, model, optimizer, mesh, state)
@@ -131,10 +148,12 @@ def time_learner(cfg, spec, a) -> dict:
     t = time.perf_counter()
     compiled = step.jitted.lower(state, batch, step.hparams).compile()
     compile_s = time.perf_counter() - t
+    progress(f"{kind}: train step compiled in {compile_s:.1f} s")
     t = time.perf_counter()
     state, metrics = compiled(state, batch, step.hparams)  # first run (allocations)
     jax.block_until_ready(state)
     first_s = time.perf_counter() - t
+    progress(f"{kind}: first step {first_s:.2f} s")
     if not np.isfinite(float(metrics["loss"])):
         raise FloatingPointError(f"non-finite loss {float(metrics['loss'])}")
     times = []
@@ -143,6 +162,7 @@ def time_learner(cfg, spec, a) -> dict:
         state, metrics = compiled(state, batch, step.hparams)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
+        progress(f"{kind}: timed step {len(times)}/{a.steps} {times[-1]:.3f} s")
     held = _nbytes(state.params) + _nbytes(state.opt_state) + _nbytes(
         ts.frozen_params(state) or {})
     out = {"compile_s": round(compile_s, 2), "first_step_s": round(first_s, 3),
@@ -150,6 +170,7 @@ def time_learner(cfg, spec, a) -> dict:
            "step_times_s": [round(x, 3) for x in times],
            "learner_state_bytes": held, "publish_bytes": _nbytes(state.params)}
     out.update(time_publication(state.params, a.publishes))
+    progress(f"{kind}: publication {out['publish_s']:.3f} s (median of {a.publishes})")
     del state, compiled
     return out
 
@@ -167,14 +188,19 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--completion", type=int, default=96)
     p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--checkpoint", default=None,
+                   help="a random HF checkpoint of the timed shape (default: one written "
+                        "host-side into a temporary directory)")
     a = p.parse_args(argv)
+    progress(f"started: jax {jax.__version__}, args {vars(a)}")
     cpu = jax.default_backend() == "cpu"
+    progress(f"backend ready: {jax.devices()[0].platform} ({jax.devices()[0].device_kind})")
+    # float32 parameters and compute (the shapes' defaults)
+    shape = SHAPES["tiny-qwen2" if a.smoke else "qwen2.5-0.5b"]()
     if a.smoke:
-        shape = tiny_config("qwen2", max_position_embeddings=256, dtype="float32",
-                            param_dtype="float32")
         a.rank, a.steps, a.publishes, a.seqs, a.prompt, a.completion = 4, 1, 1, 4, 8, 8
-    else:
-        shape = config_qwen2_5_0_5b(dtype="float32", param_dtype="float32")
+    if a.checkpoint and not a.layers:  # its depth; every other dimension is checked below
+        a.layers = load_config(a.checkpoint).num_layers
     layers = a.layers or (shape.num_layers if a.smoke or not cpu else 4)
     spec = LoRASpec(rank=a.rank, alpha=a.alpha)
     optimizer, _ = ts.make_optimizer(base_config().learner.optimizer)
@@ -189,8 +215,23 @@ def main(argv=None) -> dict:
     timed = shape.replace(num_layers=layers)
     out["timed"] = {"layers": layers, "seqs": a.seqs, "seq_len": a.prompt + a.completion,
                     "micro_batches": a.micro_batches}
-    for name, lora in (("full", None), ("lora", spec)):
-        out["timed"][name] = time_learner(timed, lora, a)
+    tmp = None
+    try:
+        t = time.perf_counter()
+        if a.checkpoint:
+            ckpt = a.checkpoint
+        else:  # host-side NumPy weights: no whole-model init to compile
+            tmp = tempfile.mkdtemp(prefix="bench_lora_")
+            ckpt = write_random_checkpoint(timed, os.path.join(tmp, "random"), seed=0)
+        check_checkpoint_shape(ckpt, timed)
+        progress(f"checkpoint ready: {ckpt} ({'given' if a.checkpoint else 'written'} in "
+                 f"{time.perf_counter() - t:.1f} s)")
+        out["checkpoint"] = os.path.abspath(ckpt)
+        for name, lora in (("full", None), ("lora", spec)):
+            out["timed"][name] = time_learner(timed, lora, a, ckpt)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
     f, l = out["timed"]["full"], out["timed"]["lora"]
     out["timed"]["publish_s_ratio"] = round(l["publish_s"] / f["publish_s"], 4)
     out["timed"]["step_s_ratio"] = round(l["step_s"] / f["step_s"], 4)

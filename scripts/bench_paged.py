@@ -47,7 +47,9 @@ process), prompt prefills per group, preemptions per 1,000 sequences, and whethe
 engine's tokens equal the dense engine's. Prints one JSON line at the end: the
 sampler-bound ratios at the top level (`active_ratio_vs_dense`,
 `tokens_per_s_ratio_vs_dense`, ...), `prefills_per_group` (n = 8, paged),
-`multiturn_prefill_ratio`, and every scenario in full.
+`multiturn_prefill_ratio`, and every scenario in full. Progress lines (timestamped: each
+engine warmed up, each run done) go to stderr. The tiny model's random weights are drawn on
+the host (`models.random_checkpoint.random_params`, NumPy), never initialised on the device.
 """
 from __future__ import annotations
 
@@ -59,16 +61,17 @@ import sys
 import time
 
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sampler_bound  # noqa: E402
-from pipelinerl_jax.models import Decoder, tiny_config  # noqa: E402
+from pipelinerl_jax.models import decoder_from_flat, tiny_config  # noqa: E402
+from pipelinerl_jax.models.random_checkpoint import random_params  # noqa: E402
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.tasks.synthetic import SyntheticStringTask  # noqa: E402
 from pipelinerl_jax.sim.paged import weighted_median  # noqa: E402
 from pipelinerl_jax.records import GenerationRequest, SamplingParams  # noqa: E402
+from scripts.bench_progress import progress  # noqa: E402
 
 MAX_SEQ_LEN = 256  # the sampler-bound config's context: 128 prompt + 127 answer tokens
 # the talk-shaped tail (module docstring): body median / p99 (~40 s) in tokens, tail to 3x
@@ -126,11 +129,13 @@ def multiturn_workload(episodes: int, turns: int, seed: int, vocab: int):
               for _ in range(turns)]) for _ in range(episodes)]
 
 
-def run_multiturn(model, config: dict, episodes):
+def run_multiturn(model, config: dict, episodes, label: str = "multiturn"):
     """Runs the episodes turn by turn on one engine; returns its figures and every turn's
     tokens."""
+    t = time.perf_counter()
     eng = JaxEngine(model, config)
     eng.warmup()
+    progress(f"{label}: engine built and warmed up in {time.perf_counter() - t:.1f} s")
     history = [first for first, _ in episodes]
     tokens, t0 = {}, time.perf_counter()
     for k in range(len(episodes[0][1])):
@@ -148,6 +153,7 @@ def run_multiturn(model, config: dict, episodes):
     wall = time.perf_counter() - t0
     s = eng.stats()
     eng.close()
+    progress(f"{label}: {len(episodes)} episodes done in {wall:.1f} s")
     return {"prefill_tokens": int(s["prefill_tokens"]),
             "prefill_tokens_per_episode": s["prefill_tokens"] / len(episodes),
             "prefix_cache_hits": int(s.get("prefix_cache_hits", 0)),
@@ -164,10 +170,11 @@ def compare_multiturn(model, episodes, args) -> dict:
               **args.engine_overrides}
     paged = {**common, "max_slots": args.paged_slots, "kv_layout": "paged",
              "page_size": args.page_size, "kv_budget_tokens": args.dense_slots * MAX_SEQ_LEN}
-    reuse, reuse_tokens = run_multiturn(model, paged, episodes)
-    plain, plain_tokens = run_multiturn(model, {**paged, "prefix_cache": False}, episodes)
+    reuse, reuse_tokens = run_multiturn(model, paged, episodes, "multiturn paged reuse")
+    plain, plain_tokens = run_multiturn(model, {**paged, "prefix_cache": False}, episodes,
+                                        "multiturn paged no-reuse")
     dense, dense_tokens = run_multiturn(model, {**common, "max_slots": args.dense_slots},
-                                        episodes)
+                                        episodes, "multiturn dense")
     keys = sorted(dense_tokens)
     return {
         "episodes": len(episodes), "turns": len(episodes[0][1]),
@@ -181,9 +188,11 @@ def compare_multiturn(model, episodes, args) -> dict:
     }
 
 
-def run(model, config: dict, reqs):
+def run(model, config: dict, reqs, label: str = "run"):
+    t = time.perf_counter()
     eng = JaxEngine(model, config)
     eng.warmup()
+    progress(f"{label}: engine built and warmed up in {time.perf_counter() - t:.1f} s")
     eng.stats()  # opens a fresh window
     eng.submit_batch(reqs)
     samples = sum(int(r.params.n) for r in reqs)
@@ -202,6 +211,7 @@ def run(model, config: dict, reqs):
     s = eng.stats()
     eng.close()
     tokens = sum(len(c.token_ids) for c in done)
+    progress(f"{label}: {samples} samples, {tokens} tokens in {wall:.1f} s")
     steps, active = np.asarray(chunk_steps, float), np.asarray(chunk_active)
     q = np.asarray(chunk_queued, bool)
     out = {
@@ -225,15 +235,16 @@ def run(model, config: dict, reqs):
     return out, {(c.request_id, c.sample_index): c.token_ids for c in done}
 
 
-def compare(model, reqs, args) -> dict:
+def compare(model, reqs, args, name: str = "scenario") -> dict:
     """One scenario: dense and paged at the same KV bytes."""
     budget_tokens = args.dense_slots * MAX_SEQ_LEN
     common = {**dict(max_seq_len=MAX_SEQ_LEN, max_prefill_batch=16, steps_per_sync=16),
               **args.engine_overrides}
-    dense, dense_tokens = run(model, {**common, "max_slots": args.dense_slots}, reqs)
+    dense, dense_tokens = run(model, {**common, "max_slots": args.dense_slots}, reqs,
+                              f"{name} dense")
     paged, paged_tokens = run(model, {**common, "max_slots": args.paged_slots,
                                       "kv_layout": "paged", "page_size": args.page_size,
-                                      "kv_budget_tokens": budget_tokens}, reqs)
+                                      "kv_budget_tokens": budget_tokens}, reqs, f"{name} paged")
     same = sum(np.array_equal(dense_tokens[k], paged_tokens[k]) for k in dense_tokens)
     lengths = [len(r.prompt_ids) + r.params.max_new_tokens for r in reqs]
     def ratio(key):  # (None where a figure is undefined: no chunk ran while samples waited)
@@ -272,6 +283,7 @@ def main():
                          "one bucket each; the sampler-bound and n = 8 scenarios and 4 "
                          "episodes of 3 turns (device_check --cpu)")
     args = ap.parse_args()
+    progress(f"started: args {vars(args)}")
     if args.smoke:
         args.sequences, args.dense_slots, args.paged_slots = 16, 2, 8
         args.episodes, args.turns = 4, 3
@@ -282,7 +294,7 @@ def main():
     n = 128 if args.quick else args.sequences
 
     cfg = tiny_config()
-    model = Decoder(cfg, nnx.Rngs(0))
+    model = decoder_from_flat(random_params(cfg, seed=0), cfg)  # host arrays, nothing compiled
     v = cfg.vocab_size
     scenarios = {
         "sampler_bound": sampler_bound_workload(n, args.seed, v),
@@ -296,7 +308,7 @@ def main():
         scenarios = {}
     results = {}
     for name, reqs in scenarios.items():
-        results[name] = compare(model, reqs, args)
+        results[name] = compare(model, reqs, args, name)
         print(name, json.dumps(results[name]), flush=True)
     results["multiturn"] = compare_multiturn(
         model, multiturn_workload(args.episodes, args.turns, args.seed, v), args)

@@ -6,8 +6,10 @@
                                       [--kv-layout dense|paged|both] [--attention-kernel K]
                                       [--repeats R]
 
-Writes a random HF checkpoint with Qwen2.5-0.5B's config dimensions (nothing downloaded; a
-rerun with the same --workdir reuses it), loads it as the learner does and times the real
+Loads a random HF checkpoint with Qwen2.5-0.5B's config dimensions (`--checkpoint DIR`, e.g.
+`python -m pipelinerl_jax.models.random_checkpoint --out DIR`; else one written host-side with
+NumPy into --workdir, which a rerun reuses: nothing downloaded, nothing compiled to make it)
+as the learner does and times the real
 train step (PPO loss, AdamW, micro-batches): per-device parameter/optimizer bytes, XLA's
 temporary (activation) bytes, step time, tokens/s and MFU against the matmul peak measured in
 the same run in the compute dtype (best of 5, just before each timed step); also the AdamW update alone (`optimizer_s`,
@@ -27,7 +29,7 @@ per-round ratios, with every round's ratio and their min/max (load drift between
 apart moved this ratio by more than the 8% it had to resolve).
 `--param-dtype bfloat16`: bf16 master
 weights (float32 optimizer state; see learner/train_step.py). `--smoke`: the tiny model, a
-few seconds. Prints one JSON line.
+few seconds. Prints one JSON line; progress lines (timestamped, each phase) go to stderr.
 """
 from __future__ import annotations
 
@@ -51,19 +53,18 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from pipelinerl_jax import sharding  # noqa: E402
-from pipelinerl_jax.models.factory import create_model  # noqa: E402
 from pipelinerl_jax.learner import batching, train_step as ts  # noqa: E402
 from pipelinerl_jax.losses import get_loss  # noqa: E402
-from pipelinerl_jax.models import ModelConfig, from_pretrained, save_pretrained  # noqa: E402
-from pipelinerl_jax.models import config_qwen2_5_0_5b, tiny_config  # noqa: E402
+from pipelinerl_jax.models import ModelConfig, from_pretrained  # noqa: E402
 from pipelinerl_jax.models.config import dtype_of  # noqa: E402
+from pipelinerl_jax.models.random_checkpoint import (SHAPES, check_checkpoint_shape,  # noqa: E402
+                                                     write_random_checkpoint)
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import JaxEngine  # noqa: E402
 from pipelinerl_jax.run_config import optimizer_config  # noqa: E402
 from pipelinerl_jax.records import GenerationRequest, Rollout, SamplingParams  # noqa: E402
 from scripts.bench_model import matmul_gflops  # noqa: E402
-
-
+from scripts.bench_progress import progress  # noqa: E402
 
 def _best_time(fn, repeats: int) -> float:
     jax.block_until_ready(fn())
@@ -112,9 +113,14 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, first_peak: float) -> dict:
     `mfu_vs_best_peak` is the conservative reading: against the highest peak of the run
     (`first_peak`, measured before loading the model, included)."""
     mesh = sharding.make_mesh(a.mesh)
+    t = time.perf_counter()
     model = from_pretrained(ckpt, dtype=a.dtype, param_dtype=a.param_dtype, mesh=mesh)
+    progress(f"learner: checkpoint loaded onto mesh {a.mesh} in {time.perf_counter() - t:.1f} s")
     optimizer, _ = ts.make_optimizer(optimizer_config())
+    t = time.perf_counter()
     state = ts.init_state(model, optimizer, mesh)
+    jax.block_until_ready(state)
+    progress(f"learner: optimizer state initialised in {time.perf_counter() - t:.1f} s")
     step = ts.make_train_step(nnx.graphdef(model), optimizer, get_loss("ppo"), mesh=mesh,
                               state_sharding=ts.state_shardings(state),
                               micro_batches=a.micro_batches)
@@ -123,7 +129,10 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, first_peak: float) -> dict:
                            num_seqs=a.seqs, chunks=a.micro_batches, pack_len=seq,
                            completion_len=a.completion, row_divisor=sharding.batch_divisor(mesh))
     batch = ts.place_batch(packed.arrays, mesh)
+    t = time.perf_counter()
     compiled = step.jitted.lower(state, batch, step.hparams).compile()  # the learner's step
+    progress(f"learner: train step compiled in {time.perf_counter() - t:.1f} s "
+             f"({a.seqs} seqs x {a.prompt + a.completion} tokens)")
     try:  # XLA's scratch (activations) for one step, where the backend reports it
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - optional figure
@@ -132,6 +141,7 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, first_peak: float) -> dict:
     state, metrics = compiled(state, batch, step.hparams)  # warm up
     jax.block_until_ready(state)
     first_s = time.perf_counter() - t
+    progress(f"learner: first step {first_s:.2f} s")
     if not np.isfinite(float(metrics["loss"])):
         raise FloatingPointError(f"non-finite loss {float(metrics['loss'])}")
     # CPU: the devices share this host's cores, so MFU is against one device's matmul peak
@@ -143,7 +153,10 @@ def bench_learner(ckpt: str, cfg: ModelConfig, a, first_peak: float) -> dict:
         state, metrics = compiled(state, batch, step.hparams)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
+        progress(f"learner: timed step {len(times)}/{a.steps} {times[-1]:.3f} s "
+                 f"(matmul peak before it {peaks[-1]:.0f} GFLOP/s)")
     opt_s = _optimizer_time(optimizer, state, step.hparams["optimizer"], a.steps)
+    progress(f"learner: optimizer update alone {opt_s:.3f} s")
     tokens = a.seqs * seq
     flops = 3 * cfg.flops_per_token(seq) * tokens
     med = lambda xs: float(np.median(xs))  # noqa: E731
@@ -212,7 +225,10 @@ def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict,
     engines = {}
     try:
         for layout in layouts:
+            t = time.perf_counter()
             engines[layout] = _engine(ckpt, a, layout)
+            progress(f"engine: {layout} engine built (checkpoint loaded) in "
+                     f"{time.perf_counter() - t:.1f} s")
         eng0 = next(iter(engines.values()))
         wbytes = engine_memory.weight_bytes(cfg, eng0.dtype)
         kv_tok = engine_memory.kv_cache_bytes(cfg, 1, 1, eng0.dtype)
@@ -230,12 +246,17 @@ def bench_engine(ckpt: str, cfg: ModelConfig, a, peaks: dict,
                 done = engine.generate(reqs)
                 return sum(len(c.token_ids) for c in done) / (time.perf_counter() - t)
             for layout, engine in engines.items():
+                t = time.perf_counter()
                 run(engine, prompts(f"warm{b}"))  # compile
+                progress(f"engine: batch {b} {layout} warm-up (compile) "
+                         f"{time.perf_counter() - t:.1f} s")
             rounds = {layout: [] for layout in layouts}
             for r in range(a.repeats):
                 reqs = prompts(f"b{b}-r{r}")
                 for layout, engine in engines.items():
                     rounds[layout].append(run(engine, reqs))
+                    progress(f"engine: batch {b} {layout} round {r + 1}/{a.repeats} "
+                             f"{rounds[layout][-1]:.1f} tokens/s")
             kv_read = b * kv_tok * (a.prompt + a.decode_tokens / 2)  # mean live KV a step
             bw_roof = b * peaks["copy_gbytes_s"] * 1e9 / (wbytes + kv_read)
             compute_roof = peaks["matmul_gflops"] * 1e9 / (2 * cfg.num_params)
@@ -305,6 +326,10 @@ def main():
                         "(auto: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--only", choices=("learner", "engine"), default=None)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--checkpoint", default=None,
+                   help="a random HF checkpoint of the benchmark's shape (e.g. from "
+                        "python -m pipelinerl_jax.models.random_checkpoint); default: one "
+                        "written host-side into --workdir, reused by a rerun")
     for k in ("seqs", "prompt", "completion", "micro_batches", "steps", "decode_tokens",
               "matmul_n"):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None)
@@ -324,26 +349,38 @@ def main():
                    help="learner mesh data,fsdp,tensor over the first devices, e.g. 1,1,1 "
                         "(default: 1,4,2 on CPU, every device on fsdp elsewhere)")
     a = p.parse_args()
+    progress(f"started: jax {jax.__version__}, args {vars(a)}")
     cpu = jax.default_backend() == "cpu"
     _sizes(a, cpu)
-    cfg = tiny_config("qwen2", max_position_embeddings=256) if a.smoke \
-        else config_qwen2_5_0_5b()
-    workdir = a.workdir or tempfile.mkdtemp(prefix="bench_real_size_")
-    ckpt = os.path.join(workdir, "qwen2.5-0.5b-random")
-    t = time.perf_counter()
-    if not os.path.exists(os.path.join(ckpt, "config.json")):  # a rerun reuses it
-        save_pretrained(create_model(cfg, seed=0), ckpt)
-    write_s = time.perf_counter() - t
     dev = jax.devices()[0]
+    progress(f"backend ready: {len(jax.devices())} x {dev.platform} ({dev.device_kind})")
+    shape = "tiny-qwen2" if a.smoke else "qwen2.5-0.5b"
+    cfg = SHAPES[shape]()
+    t = time.perf_counter()
+    if a.checkpoint:
+        ckpt = a.checkpoint
+    else:  # written on the host with NumPy (no whole-model init to compile); a rerun reuses it
+        workdir = a.workdir or tempfile.mkdtemp(prefix="bench_real_size_")
+        ckpt = os.path.join(workdir, f"{shape}-random")
+        if not os.path.exists(os.path.join(ckpt, "config.json")):
+            write_random_checkpoint(cfg, ckpt, seed=0)
+    check_checkpoint_shape(ckpt, cfg)  # a checkpoint of another shape is an error, not a run
+    write_s = time.perf_counter() - t
+    progress(f"checkpoint ready: {ckpt} ({'given' if a.checkpoint else 'written or reused'} "
+             f"in {write_s:.1f} s)")
     peaks = measured_peaks(a.matmul_n, 10, dtype_of(a.dtype),
                            (64 if cpu else 1024) << 20)
+    progress(f"peaks measured: {peaks['matmul_gflops']:.0f} GFLOP/s ({a.dtype} matmul), "
+             f"{peaks['copy_gbytes_s']:.0f} GB/s copy")
     out = {"model": "tiny" if a.smoke else "qwen2.5-0.5b-shape", "params": cfg.num_params,
            "devices": f"{len(jax.devices())} x {dev.platform}",
            "device_kind": dev.device_kind, "jax": jax.__version__,
-           "checkpoint_write_s": round(write_s, 1),
+           "checkpoint": os.path.abspath(ckpt),
+           "checkpoint_write_s": None if a.checkpoint else round(write_s, 1),
            "peaks": dict({k: round(v, 2) for k, v in peaks.items()}, matmul_dtype=a.dtype)}
     if a.only in (None, "learner"):
         out["learner"] = bench_learner(ckpt, cfg, a, peaks["matmul_gflops"])
+        progress("learner: done")
     if a.only in (None, "engine"):
         layouts = ("dense", "paged") if a.kv_layout == "both" else (a.kv_layout,)
         try:  # a kernel that fails on this accelerator must not cost the other figures
@@ -363,6 +400,7 @@ def main():
             rounds = paged_vs_dense_rounds(eng["dense"], eng["paged"])
             out["paged_vs_dense_rounds"] = rounds
             out["paged_vs_dense_range"] = {k: [min(v), max(v)] for k, v in rounds.items()}
+        progress("engine: done")
     print(json.dumps(out), flush=True)
 
 

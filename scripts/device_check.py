@@ -8,10 +8,24 @@ it holds no device memory):
 
   env     what is installed: each `install_requires` entry of setup.py against the installed
           version (missing or out of range is reported; off the CPU, a wheel carried in `.whl/`
-          is installed for it with `pip --no-index --no-deps`), then `pip install --no-deps
-          --no-build-isolation --no-index -e .` over the image's JAX (the parts also get the
-          repo on PYTHONPATH), then a probe: JAX's backend, devices and device kind, and the
-          project's modules imported (import errors named). Nothing is fetched.
+          is installed for it with `pip --no-index --no-deps`), then a probe: JAX's backend,
+          devices and device kind, and the project's modules imported (import errors named).
+          Nothing is fetched. The project itself is not installed: every part imports it from
+          the checkout through PYTHONPATH. (The editable install this part used to try,
+          `pip install --no-deps --no-build-isolation --no-index -e .`, failed on the first
+          H200 run: the image's setuptools `develop` re-runs `pip install -e . --use-pep517`,
+          which needs the network; it was dropped rather than worked around.)
+  (checkpoint)  before the model, lora and engine parts, when any of them runs: one random
+          HF checkpoint of their model (the Qwen2.5-0.5B shape; `--cpu`: the tiny `--smoke`
+          one), drawn on the host with NumPy by `python -m pipelinerl_jax.models.random_checkpoint`
+          with JAX_PLATFORMS=cpu (nothing compiled, the accelerator untouched), its own step
+          with its own limit, reported as `checkpoint` (time, bytes); each of those parts gets
+          it as `--checkpoint`. Why: the benchmarks used to build the weights with one jitted
+          init of the whole model, which XLA took over 3 minutes to compile on the H200, so
+          every 0.5B part timed out making random weights (BENCHMARKS.md, "First accelerator
+          run"). Should the step fail, each part writes its own, the same host-side way. (The
+          paged part's tiny model is not this checkpoint: it draws its weights in-process
+          with the same NumPy code, `random_checkpoint.random_params`.)
   model   scripts/bench_real_size.py --only learner: the train step on the Qwen2.5-0.5B shape
           (bf16 compute), MFU against the bf16 matmul peak measured in the same process.
   lora    scripts/bench_lora.py: full fine-tuning vs LoRA (rank 16, every projection) on the
@@ -38,12 +52,14 @@ it holds no device memory):
           a TPU VM's chips (JAX_PLATFORMS=tpu).
 
 `--cpu`: the same parts with JAX on CPU, the tiny model (`--smoke`) and 3 RL steps, no
-installation (the test suite runs this). Each part's output goes to `<out>/<part>.log`
-(`<out>` = --out, else $OUT, else a temporary folder); run directories go under --workdir.
-The last line printed is one JSON object with every figure and, per part, `status` ('ok',
-'failed', 'timeout', 'skipped') and `error` (the log's tail), so a partial failure still
-yields the other figures; it is also written to `<out>/device_check.json`. Exit status 0 when
-every part ran ok, 1 otherwise.
+installation (the test suite runs this). The benchmark parts write timestamped progress lines
+(checkpoint loaded, peaks measured, compile done, each timed phase) to stderr, i.e. their
+log, so a part killed at its limit still says where it was. Each part's output goes to
+`<out>/<part>.log` (`<out>` = --out, else $OUT, else a temporary folder); run directories go
+under --workdir. The last line printed is one JSON object with every figure and, per part
+(and the checkpoint step), `status` ('ok', 'failed', 'timeout', 'skipped') and `error` (the
+log's tail), so a partial failure still yields the other figures; it is also written to
+`<out>/device_check.json`. Exit status 0 when every part ran ok, 1 otherwise.
 
 Carrying missing wheels (the machine has no network): where pip works, run
 `bash scripts/device_check.sh --download-wheels` once; it fills `.whl/` (ignored by git) with
@@ -71,13 +87,17 @@ PARTS = ("env", "model", "lora", "engine", "paged", "train")
 # Run only when named in --only: the programs of --config that experiments/compile_check.py
 # compiles for a TPU topology, run here for real (scripts/run_programs.py; docs/tpu.md).
 OPTIONAL = ("programs",)
-# Seconds per part; the GPU total stays under 10 minutes with room for process start-up (the
-# GPU limits sum to TOTAL_S: the paged part's 75 s came from env -20, model -25, lora -20,
-# train -30, and engine +5 for its paged half).
-LIMITS = {"gpu": {"env": 40, "model": 125, "lora": 90, "engine": 105, "paged": 75,
-                  "train": 140},
-          "cpu": {"env": 60, "model": 180, "lora": 240, "engine": 120, "paged": 180,
-                  "train": 300}}
+# Seconds per part (a part is stopped GRACE_S before its limit); the GPU total stays under 10
+# minutes with room for process start-up: the GPU limits sum to TOTAL_S. The checkpoint step's
+# 45 s (24-27 s for the 0.5B shape on this 2-core VM, mostly drawing normals, which it spreads
+# over a bigger host's cores) came from env -5 (it no longer tries the editable install),
+# model -10, lora -10, engine -10 and paged -10; train keeps its 140 (107.6 s on the H200).
+LIMITS = {"gpu": {"env": 35, "checkpoint": 45, "model": 115, "lora": 80, "engine": 95,
+                  "paged": 65, "train": 140},
+          "cpu": {"env": 60, "checkpoint": 90, "model": 180, "lora": 240, "engine": 120,
+                  "paged": 180, "train": 300}}
+# The parts that load the random checkpoint (the benchmark scripts' `--checkpoint`).
+CHECKPOINT_PARTS = ("model", "lora", "engine")
 PROGRAMS_LIMIT_S = 540
 TOTAL_S = {"gpu": 575, "cpu": 1320}
 GRACE_S = 20  # of a part's limit, between SIGTERM and SIGKILL
@@ -155,8 +175,9 @@ class Runner:
         self.out, self.mode, self.env = out, mode, env
         self.deadline = time.monotonic() + TOTAL_S[mode]
 
-    def run(self, part: str, cmd: list, limit: float) -> dict:
-        """{"status", "rc", "time_s", "stdout" (text), "error"?}; output also in the log."""
+    def run(self, part: str, cmd: list, limit: float, env: dict | None = None) -> dict:
+        """{"status", "rc", "time_s", "stdout" (text), "error"?}; output also in the log.
+        `env`: variables that replace the parts' own for this command."""
         limit = min(limit, self.deadline - time.monotonic())
         if limit < 10:
             return {"status": "skipped", "error": "no time left in the overall budget"}
@@ -165,7 +186,8 @@ class Runner:
         with open(log, "a") as f:
             f.write(f"$ {' '.join(cmd)}\n")
             f.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, **(env or {})},
+                                    stdout=subprocess.PIPE,
                                     stderr=f, text=True, start_new_session=True)
             try:
                 stdout, _ = proc.communicate(timeout=max(limit - GRACE_S, 1))
@@ -253,13 +275,6 @@ def part_env(r: Runner, install: bool) -> dict:
             out["carried_wheels"] = [os.path.basename(w) for w in wheels]
             out["carried_status"] = install_wheels(r, wheels)
             reqs = check_requirements()
-        # --no-build-isolation: the image's setuptools, nothing fetched; on failure the
-        # parts still import the project through PYTHONPATH.
-        res = r.run("env", [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                            "--no-build-isolation", "--no-index", "-e", "."], 120)
-        out["install"] = res["status"]
-        if res["status"] != "ok":
-            out["install_error"] = res["error"]
     out["requirements_unmet"] = {n: v for n, v in reqs.items() if v["ok"] is False}
     out["versions"] = {n: v["have"] for n, v in reqs.items()}
     res = r.run("env", [sys.executable, "-c", f"MODULES = {MODULES!r}\n" + PROBE],
@@ -280,10 +295,34 @@ def part_env(r: Runner, install: bool) -> dict:
     return out
 
 
-def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
+def part_checkpoint(r: Runner, workdir: str) -> dict:
+    """The random checkpoint the model, lora and engine parts load, written host-side."""
+    path = os.path.join(workdir, "random-checkpoint")
+    cmd = [sys.executable, "-m", "pipelinerl_jax.models.random_checkpoint", f"--out={path}",
+           "--shape=" + ("tiny-qwen2" if r.mode == "cpu" else "qwen2.5-0.5b")]
+    # JAX on the CPU whatever the parts use: this step never touches the accelerator
+    res = r.run("checkpoint", cmd, LIMITS[r.mode]["checkpoint"], env={"JAX_PLATFORMS": "cpu"})
+    data = _last_json(res["stdout"]) or {}
+    out = {"status": res["status"], "time_s": res.get("time_s"), **data}
+    if "error" in res:
+        out["error"] = res["error"]
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        out.update(status="failed", error=f"no checkpoint at {path}")
+    return out
+
+
+def _checkpoint_arg(checkpoint: dict | None) -> list:
+    """`--checkpoint=...` when the checkpoint step wrote one (else the bench writes its own)."""
+    if checkpoint and checkpoint.get("status") == "ok":
+        return [f"--checkpoint={checkpoint['path']}"]
+    return []
+
+
+def part_bench(r: Runner, part: str, workdir: str, param_dtype: str,
+               checkpoint: dict | None = None) -> dict:
     cmd = [sys.executable, "scripts/bench_real_size.py", "--only",
            "learner" if part == "model" else "engine", f"--workdir={workdir}",
-           f"--param-dtype={param_dtype}"]
+           f"--param-dtype={param_dtype}", *_checkpoint_arg(checkpoint)]
     if part == "engine" and r.mode != "cpu":  # on CPU the paged part covers the paged engine
         # two interleaved rounds (each round is one more generate per layout and batch; the
         # part's time limit is fixed within the check's total)
@@ -295,7 +334,8 @@ def part_bench(r: Runner, part: str, workdir: str, param_dtype: str) -> dict:
     out = {"status": res["status"], "time_s": res.get("time_s")}
     if "error" in res:
         out["error"] = res["error"]
-    for k in ("model", "params", "devices", "device_kind", "peaks", "checkpoint_write_s"):
+    for k in ("model", "params", "devices", "device_kind", "peaks", "checkpoint",
+              "checkpoint_write_s"):
         if k in data:
             out[k] = data[k]
     out.update(data.get("learner" if part == "model" else "engine", {}))
@@ -340,14 +380,16 @@ def part_paged(r: Runner) -> dict:
     return out
 
 
-def part_lora(r: Runner) -> dict:
-    cmd = [sys.executable, "scripts/bench_lora.py"] + (["--smoke"] if r.mode == "cpu" else [])
+def part_lora(r: Runner, checkpoint: dict | None = None) -> dict:
+    cmd = [sys.executable, "scripts/bench_lora.py", *_checkpoint_arg(checkpoint)] + (
+        ["--smoke"] if r.mode == "cpu" else [])
     res = r.run("lora", cmd, LIMITS[r.mode]["lora"])
     data = _last_json(res["stdout"]) or {}
     out = {"status": res["status"], "time_s": res.get("time_s")}
     if "error" in res:
         out["error"] = res["error"]
-    for k in ("model", "rank", "publish_bytes_ratio", "learner_state_bytes_ratio"):
+    for k in ("model", "rank", "publish_bytes_ratio", "learner_state_bytes_ratio",
+              "checkpoint"):
         if k in data:
             out[k] = data[k]
     timed = data.get("timed") or {}
@@ -422,6 +464,13 @@ def part_train(r: Runner, workdir: str, steps: int) -> dict:
     return out
 
 
+def _guarded(fn) -> dict:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the JSON line must still come out
+        return {"status": "failed", "error": f"driver: {type(e).__name__}: {e}"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu", action="store_true", help="JAX on CPU, tiny shapes, few steps")
@@ -461,20 +510,22 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     result = {"device_check": 1, "mode": mode}
     parts = {"env": lambda: part_env(r, install=mode != "cpu" and not a.no_install),
-             "model": lambda: part_bench(r, "model", bench_dir, a.param_dtype),
-             "lora": lambda: part_lora(r),
-             "engine": lambda: part_bench(r, "engine", bench_dir, a.param_dtype),
+             "model": lambda: part_bench(r, "model", bench_dir, a.param_dtype,
+                                         result.get("checkpoint")),
+             "lora": lambda: part_lora(r, result.get("checkpoint")),
+             "engine": lambda: part_bench(r, "engine", bench_dir, a.param_dtype,
+                                          result.get("checkpoint")),
              "paged": lambda: part_paged(r),
              "train": lambda: part_train(r, workdir, a.steps or TRAIN_STEPS[mode]),
              "programs": lambda: part_programs(r, a.config)}
     bench_dir = os.path.join(workdir, "bench")
     for part in PARTS + OPTIONAL:
         if part in only:
-            try:
-                result[part] = parts[part]()
-            except Exception as e:  # noqa: BLE001 - the JSON line must still come out
-                result[part] = {"status": "failed", "error": f"driver: {type(e).__name__}: {e}"}
-    result["ok"] = all(result[k]["status"] == "ok" for k in only)
+            if part in CHECKPOINT_PARTS and "checkpoint" not in result:  # once, before them
+                result["checkpoint"] = _guarded(lambda: part_checkpoint(r, bench_dir))
+            result[part] = _guarded(parts[part])
+    steps = only + (["checkpoint"] if "checkpoint" in result else [])
+    result["ok"] = all(result[k]["status"] == "ok" for k in steps)
     result["time_s"] = round(time.monotonic() - t0, 1)
     line = json.dumps(result)
     with open(os.path.join(out, "device_check.json"), "w") as f:

@@ -58,6 +58,22 @@ def test_cpu_mode_prints_one_json_line_with_every_part(device_check_cpu):
     assert set(device_check.PARTS) <= set(result)
     assert all(result[k]["status"] == "ok" for k in device_check.PARTS)
     assert result["env"]["backend"] == "cpu" and result["env"]["requirements_unmet"] == {}
+    assert "install" not in result["env"]  # no editable install (it fails offline)
+    # the random checkpoint, written once on the host before the parts that load it, each of
+    # which was handed it (its log names the file loaded); its progress lines are in the log
+    ckpt = result["checkpoint"]
+    assert ckpt["status"] == "ok" and ckpt["time_s"] > 0 and ckpt["shape"] == "tiny-qwen2"
+    assert ckpt["bytes"] > 4 * ckpt["params"] and os.path.isfile(
+        os.path.join(ckpt["path"], "config.json"))
+    assert result["model"]["checkpoint"] == result["engine"]["checkpoint"] == ckpt["path"]
+    assert result["lora"]["checkpoint"] == ckpt["path"]
+    for part in ("model", "lora", "engine"):
+        assert f"--checkpoint={ckpt['path']}" in (out / f"{part}.log").read_text()
+    assert result["model"].get("checkpoint_write_s") is None  # given, not written
+    for part, phase in (("model", "learner: train step compiled"),
+                        ("engine", "engine: batch 1 dense warm-up"),
+                        ("lora", "lora: timed step 1/1"), ("paged", "engine built and warmed")):
+        assert phase in (out / f"{part}.log").read_text(), part
     model = result["model"]
     assert model["step_s"] > 0 and 0 < model["mfu"] < 2 and model["peaks"]["matmul_gflops"] > 0
     lora = result["lora"]
@@ -73,5 +89,14 @@ def test_cpu_mode_prints_one_json_line_with_every_part(device_check_cpu):
     train = result["train"]
     assert train["steps"] == train["steps_wanted"] == device_check.TRAIN_STEPS["cpu"]
     assert train["step_time_s"] > 0 and train["tokens_per_s"] > 0
-    for part in device_check.PARTS:
+    for part in device_check.PARTS + ("checkpoint",):
         assert (out / f"{part}.log").exists()
+
+
+def test_the_gpu_limits_fit_the_total_and_include_the_checkpoint_step():
+    gpu = device_check.LIMITS["gpu"]
+    assert set(gpu) == set(device_check.PARTS) | {"checkpoint"}
+    assert sum(gpu.values()) <= device_check.TOTAL_S["gpu"] <= 575
+    assert set(device_check.LIMITS["cpu"]) == set(gpu)
+    # every limit leaves its part time to run before the stop, GRACE_S ahead of it
+    assert min(gpu.values()) > device_check.GRACE_S

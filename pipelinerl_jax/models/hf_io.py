@@ -262,13 +262,21 @@ def save_pretrained(model: Decoder, path: str, max_shard_bytes: int = 2 * 2**30,
                     dtype: Any = None) -> str:
     """Writes `config.json` + safetensors (sharded with an index above `max_shard_bytes`)."""
     cfg = model.cfg
-    os.makedirs(path, exist_ok=True)
     tensors = hf_state_dict(model, cfg, None if dtype is None else np.dtype(dtype_of(dtype)))
     hf_cfg = cfg.to_hf_config()
     if dtype is not None:
         hf_cfg["torch_dtype"] = np.dtype(dtype_of(dtype)).name
+    return write_hf_tensors(path, tensors, hf_cfg, max_shard_bytes)
+
+
+def write_hf_tensors(path: str, tensors: Dict[str, np.ndarray], hf_config: dict,
+                     max_shard_bytes: int = 2 * 2**30) -> str:
+    """Writes `config.json` (`hf_config`) and HF-named host `tensors` as safetensors (sharded
+    with an index above `max_shard_bytes`) into `path`; returns `path`. The writer behind
+    `save_pretrained` and `random_checkpoint.write_random_checkpoint`."""
+    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_cfg, f, indent=2)
+        json.dump(hf_config, f, indent=2)
     shards, current, size = [], {}, 0
     for name, arr in tensors.items():
         if current and size + arr.nbytes > max_shard_bytes:

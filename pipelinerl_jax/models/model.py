@@ -30,7 +30,9 @@ from flax import nnx
 from pipelinerl_jax.models.config import ModelConfig
 from pipelinerl_jax.models.paged_attention import PagedKVCache, paged_attention, write_pages
 
-_INIT_STD = 0.02
+# The std of every random weight (norm scales start at 1, biases at 0); the host-side random
+# checkpoints of `models.random_checkpoint` draw at the same scales.
+INIT_STD = 0.02
 
 
 class KVCache(NamedTuple):
@@ -52,7 +54,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 def _param(rngs: Optional[nnx.Rngs], shape, axes, dtype, init="normal"):
     if init == "normal":
-        value = _INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
+        value = INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)
     elif init == "ones":
         value = jnp.ones(shape, jnp.float32)
     else:
