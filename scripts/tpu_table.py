@@ -1,5 +1,6 @@
 """BENCHMARKS.md's TPU table from compile checks' JSON files (experiments/compile_check.py
---out=...): per recipe and size, which programs fit, HBM per chip, and the compiler-cost
+--out=...): per recipe and size, which programs fit (the learner's train step, and the same
+with the snapshot a version is published from alive beside it), HBM per chip, and the compiler-cost
 estimates (decode tokens/s per chip, train-step time). Estimates, not measurements.
 
     PYTHONPATH=. python scripts/tpu_table.py results/tpu/*.json
@@ -35,15 +36,16 @@ def row(path: str) -> str:
     name = os.path.basename(path)[:-len(".json")]
     slices = s["topology"] if s["sampler_topology"] == s["topology"] else \
         f"{s['topology']} + {s['sampler_topology']}"
-    return (f"| {name} | {slices} | {cell('learner/')} | {cell('engine/decode')} | "
+    return (f"| {name} | {slices} | {cell('learner/train_step')} | {cell('learner/publish')} | "
+            f"{cell('engine/decode')} | "
             f"{cell('engine/prefill')} | {cell('engine/reshard')} | "
             f"{f'{tps:,.0f}' if tps else '-'} | {f'{train:.2f} s' if train else '-'} |")
 
 
 def main(paths):
-    print("| recipe : size | slice(s) | train step | decode | prefill | reshard "
-          "| decode tok/s/chip (est.) | train step (est.) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| recipe : size | slice(s) | train step | step + published snapshot | decode | "
+          "prefill | reshard | decode tok/s/chip (est.) | train step (est.) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for p in paths:
         print(row(p))
 
