@@ -193,6 +193,7 @@ def sampler_programs(cfg, devices: Sequence, *, all_buckets: bool = False) -> Li
                                "engine.max_prefill_batch (or engine.prefill_buckets)",
                                dict(tokens=b * t), devices))
     rows = e.max_slots
+    per_token = pool_bytes_per_token(progs.cache) if paged else 0
     for length in (cache_l if all_buckets else sorted({cache_l[-1], cache_l[0]}, reverse=True)):
         kw = dict(cache_len=length, rows=rows) if paged else dict(cache_len=length)
         out.append(Program(f"engine/decode[rows={rows},len={length}]", "sampler",
@@ -200,12 +201,25 @@ def sampler_programs(cfg, devices: Sequence, *, all_buckets: bool = False) -> Li
                            "engine.kv_budget_tokens (or engine.max_slots, "
                            "engine.tensor_parallel)",
                            dict(steps=e.steps_per_sync, rows=rows, cache_len=length,
-                                tokens=e.steps_per_sync * rows), devices,
+                                tokens=e.steps_per_sync * rows,
+                                kernel_kv_bytes=rows * length * per_token), devices,
                            busy=functools.partial(busy_decode, length=length,
                                                   steps=e.steps_per_sync)))
     decode = [p for p in out if p.name.startswith("engine/decode")]
     out.append(_reshard(cfg, mc, progs, devices, resident=decode[0].name))
     return out
+
+
+def pool_bytes_per_token(cache) -> float:
+    """One chip's bytes of the paged KV pool per token of context, every layer's K and V (its
+    shard of the stored heads, padding included): what the paged attention kernel reads per
+    context token of a row. XLA counts a Mosaic kernel's traffic from the kernel's own cost
+    estimate, which does not grow with the context, so a decode's `work.kernel_kv_bytes`
+    (rows x attention length x this, what a step reads at most) is added to its compiled
+    bytes where the kernel runs (`report.estimates`)."""
+    pools = list(cache.kv)
+    per_chip = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in pools)
+    return per_chip / (pools[0].shape[0] * pools[0].shape[1])
 
 
 def busy_decode(args, *, length: int, steps: int):

@@ -4,7 +4,10 @@ every program, and summarise (per program, and the estimates a newcomer reads fi
 Estimates (compiler-cost rooflines, not measurements):
 
     decode_tokens_per_s_per_chip   rows / decode step roofline / engine chips, at the largest
-                                   attention-length bucket with every slot running;
+                                   attention-length bucket with every slot running; where
+                                   the Pallas kernel runs, the step's bytes include the KV
+                                   pool reads XLA does not count (`kernel_kv_bytes`,
+                                   `programs.pool_bytes_per_token`);
     train_step_s                   the train step's roofline at its largest row bucket (one
                                    micro-batch's, counted once by XLA, times their number);
     sim_costs                      what `sim/` takes (`sim/compiled.py`): one decode step at
@@ -59,6 +62,18 @@ def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
             "failures": failures}
 
 
+def decode_cost(v: dict) -> dict:
+    """One decode step's cost for the simulator: the compiler's FLOPs and bytes, plus the KV
+    pool reads of the Pallas kernel (which XLA counts from the kernel's own, context-free
+    estimate; `kv_bytes_added`), and the roofline of the sum on the program's chip."""
+    added = v["work"].get("kernel_kv_bytes", 0) if v.get("mosaic_calls") else 0
+    nbytes = v["bytes_accessed"] + added
+    chip = chips_lib.CHIPS.get(v["chip"])
+    step_s = chip.roofline_s(v["flops"], nbytes) if chip else v["roofline_s"]
+    return dict(rows=v["work"]["rows"], cache_len=v["work"]["cache_len"], step_s=step_s,
+                flops=v["flops"], bytes_accessed=nbytes, kv_bytes_added=added)
+
+
 def estimates(programs: dict) -> dict:
     """The headline numbers from per-program summaries (`Result.summary()`, as in the JSON);
     None where a program is missing. XLA's cost analysis counts a loop's body once: a decode
@@ -72,13 +87,11 @@ def estimates(programs: dict) -> dict:
     out = {"decode_tokens_per_s_per_chip": None, "train_step_s": None, "sim_costs": {}}
     costs = out["sim_costs"]
     if decode:
-        top = decode[-1]
-        out["decode_tokens_per_s_per_chip"] = (top["work"]["rows"] / top["roofline_s"]
-                                               / top["chips"] if top["roofline_s"] else None)
-        costs["decode"] = [dict(rows=v["work"]["rows"], cache_len=v["work"]["cache_len"],
-                                step_s=v["roofline_s"], flops=v["flops"],
-                                bytes_accessed=v["bytes_accessed"]) for v in decode]
-        costs["engine_chips"] = top["chips"]
+        costs["decode"] = [decode_cost(v) for v in decode]
+        top = costs["decode"][-1]
+        out["decode_tokens_per_s_per_chip"] = (top["rows"] / top["step_s"] / decode[-1]["chips"]
+                                               if top["step_s"] else None)
+        costs["engine_chips"] = decode[-1]["chips"]
     if prefill:
         p = max(prefill, key=lambda v: v["work"]["tokens"])
         costs["prefill_per_token_s"] = p["roofline_s"] / p["work"]["tokens"]
