@@ -30,7 +30,9 @@ from pipelinerl_jax.records import Rollout
 
 PACKED_KEYS = ("input_ids", "targets", "positions", "segment_ids")  # [chunks, R, pack_len]
 SEQ_KEYS = ("gather_idx", "loss_mask", "logp_behaviour", "advantages", "lag", "kv_lag",
-            "engine")  # engine: index into PackedBatch.engines of the row's sampler
+            "engine", "group")  # engine: index into PackedBatch.engines of the row's sampler
+# group [chunks, N/chunks]: the index of the row's group (one prompt's samples) in the batch,
+# by first appearance; -1 on padding rows. VCPO's off-policy optimal baseline averages over it.
 
 
 def row_bucket(rows: int, divisor: int) -> int:
@@ -108,7 +110,10 @@ def pack(rollouts: Sequence[Rollout], learner_version: int, *, num_seqs: int, ch
     a.update(gather_idx=np.zeros(shape, np.int32), loss_mask=np.zeros(shape, np.float32),
              logp_behaviour=np.zeros(shape, np.float32), advantages=np.zeros(shape, np.float32),
              lag=np.zeros(shape, np.int32), kv_lag=np.zeros(shape, np.int32),
-             engine=np.zeros(shape, np.int32))
+             engine=np.zeros(shape, np.int32), group=np.full((chunks, per), -1, np.int32))
+    group_index = {}
+    for r in rollouts:
+        group_index.setdefault(r.group_id, len(group_index))
     engines = tuple(sorted({r.engine_id for r in rollouts}))
     engine_index = {name: i for i, name in enumerate(engines)}
     tokens = packed = 0
@@ -132,6 +137,7 @@ def pack(rollouts: Sequence[Rollout], learner_version: int, *, num_seqs: int, ch
                 a["lag"][ch, i, :c] = learner_version - np.asarray(r.version)
                 a["kv_lag"][ch, i, :c] = learner_version - np.asarray(r.kv_version)
                 a["engine"][ch, i, :c] = engine_index[r.engine_id]
+                a["group"][ch, i] = group_index[r.group_id]
                 offset += p + c
                 tokens += c if r.loss_mask is None else int(np.count_nonzero(r.loss_mask))
                 packed += p + c

@@ -5,7 +5,8 @@ With `learner.record_batches=True` the learner writes, for every trained step s,
     WORKDIR/recorded/step_<s:08d>.npz    the exact arrays `batching.pack` produced and the train
                                          step saw (compressed): PACKED_KEYS [chunks, R, T] and
                                          SEQ_KEYS [chunks, N/chunks, C] (loss mask, behaviour
-                                         log-probs, advantages, per-token lag and kv_lag)
+                                         log-probs, advantages, per-token lag and kv_lag;
+                                         the row's group index [chunks, N/chunks])
     WORKDIR/recorded/index.jsonl         one line per step: step, version it was trained at,
                                          batch_id, the file, per-row group ids and rewards (in the
                                          packed order) and the step's metrics.jsonl record
@@ -112,12 +113,23 @@ def read_index(directory: str) -> List[dict]:
     return [by_step[s] for s in steps]
 
 
+def _groups_from_index(group_ids, shape) -> np.ndarray:
+    """`batching.pack`'s `group` array rebuilt from an index line's per-row group ids (in the
+    packed order; rows past them are padding, -1)."""
+    index, out = {}, np.full(int(np.prod(shape)), -1, np.int32)
+    for i, g in enumerate(group_ids or []):
+        out[i] = index.setdefault(g, len(index))
+    return out.reshape(shape)
+
+
 def load_arrays(directory: str, entry: dict) -> Dict[str, np.ndarray]:
     """The packed arrays of one index entry, exactly as the recorded train step saw them."""
     with np.load(os.path.join(directory, entry["file"])) as z:
         arrays = {k: z[k] for k in z.files}
     if "engine" not in arrays and "lag" in arrays:  # recorded before rows named their engine
         arrays["engine"] = np.zeros_like(arrays["lag"])
+    if "group" not in arrays and "lag" in arrays:  # recorded before rows named their group
+        arrays["group"] = _groups_from_index(entry.get("group_ids"), arrays["lag"].shape[:2])
     missing = set(PACKED_KEYS + SEQ_KEYS) - set(arrays)
     if missing:
         raise ValueError(f"{entry['file']} lacks arrays {sorted(missing)}")

@@ -15,6 +15,9 @@ Inside one step:
   2. for each minibatch, gradients accumulated over micro-batches (`lax.scan`), then one
      optax update (AdamW, warmup + decay, global-norm clipping), multiplied by the loss's
      `step_scale` metric when the loss declares one (`loss_fn.scales_step`, e.g. VCPO);
+     With VCPO's off-policy optimal baseline (`loss_fn.baseline`), each minibatch first
+     takes every sequence's own gradient norm (a forward and one backward per sequence, per
+     micro-batch) and subtracts its group's baseline from the advantages (losses/vcpo.py);
   3. a non-finite loss or gradient skips that update (params and optimizer state unchanged)
      and is counted in `metrics["skipped"]`.
 
@@ -349,9 +352,11 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
     One jit compilation per distinct R (row bucket).
     """
     from pipelinerl_jax.losses import LossInputs
+    from pipelinerl_jax.losses.vcpo import opob_baselines, sequence_log_weight
 
     row_sharding = sharding_lib.batch_sharding(mesh, rules)
     scales_step = bool(getattr(loss_fn, "scales_step", False))
+    baseline = getattr(loss_fn, "baseline", "none")
 
     def packed_logp(params, frozen, mb):
         """Log-probs and entropies of the packed rows, gathered to `[N, C]` sequence rows
@@ -380,8 +385,46 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
+    def sequence_stats(params, frozen, mb):
+        """([n] squared norm of each sequence's ∇_θ Σ_t m_t log π_θ(t), [n] its log W) of
+        micro-batch `mb`: one forward, then one backward per sequence through its `vjp` (a
+        `lax.map`, so one gradient at a time), keeping only the squared norm."""
+        logp_of = lambda p: packed_logp(p, frozen, mb)[0]  # noqa: E731
+        logp, pullback = jax.vjp(logp_of, params)
+        mask = jnp.where(mb["loss_mask"] > 0, mb["loss_mask"], 0.0).astype(logp.dtype)
+
+        def sq_norm(i):
+            (grads,) = pullback(jnp.zeros_like(mask).at[i].set(mask[i]))
+            return sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                       for g in jax.tree.leaves(grads))
+
+        sq = jax.lax.map(sq_norm, jnp.arange(mask.shape[0]))
+        prox = mb["logp_proximal"] if use_proximal and "logp_proximal" in mb else logp
+        return sq, sequence_log_weight(jax.lax.stop_gradient(prox), mb["logp_behaviour"],
+                                       mb["loss_mask"])
+
+    def baselined_advantages(state, micro, loss_hp):
+        """`micro` with VCPO's off-policy optimal baseline of each row's group (over the
+        minibatch, across its micro-batches) subtracted from its advantages; and the mean
+        |baseline| over rows with trained tokens."""
+        sq, log_w = jax.lax.map(
+            lambda mb: sequence_stats(state.params, frozen_params(state), mb), micro)
+        trained = micro["loss_mask"] > 0  # [M, n, C]
+        valid = jnp.any(trained, axis=-1)
+        first = jnp.argmax(trained, axis=-1)[..., None]
+        adv = jnp.take_along_axis(micro["advantages"], first, axis=-1)[..., 0]
+        flat = lambda a: a.reshape(-1)  # noqa: E731
+        cap = loss_hp.get("cap", loss_fn.hparams["cap"])
+        b = opob_baselines(flat(sq), flat(log_w), flat(adv), flat(micro["group"]),
+                           flat(valid), cap, baseline).reshape(valid.shape)
+        micro = dict(micro, advantages=micro["advantages"] - b[..., None])
+        shift = jnp.sum(jnp.abs(b)) / jnp.maximum(jnp.sum(valid), 1)
+        return micro, shift
+
     def minibatch_update(state: TrainState, micro, hp):
         """One optimizer update from the micro-batches `micro` (leading dim M)."""
+        if baseline != "none":
+            micro, baseline_shift = baselined_advantages(state, micro, hp["loss"])
         tokens = jnp.sum(micro["loss_mask"], axis=(1, 2))
         weights = (tokens / jnp.maximum(jnp.sum(tokens), 1.0) if token_weighted
                    else jnp.full((micro_batches,), 1.0 / micro_batches))
@@ -417,6 +460,8 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
                                    step=state.step + ok.astype(jnp.int32))
         metrics = dict(metrics)
         metrics.update(loss=loss, grad_norm=grad_norm, skipped=1.0 - ok.astype(jnp.float32))
+        if baseline != "none":
+            metrics["vcpo_baseline_abs"] = baseline_shift
         if any(jnp.dtype(p.dtype).itemsize < 4 for p in jax.tree.leaves(state.params)):
             metrics["update_rounded_away"] = _rounded_away(state.params, new_params, updates)
         return new_state, metrics

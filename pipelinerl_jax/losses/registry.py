@@ -26,7 +26,7 @@ from pipelinerl_jax.losses import policy
 from pipelinerl_jax.losses.a3po import a3po
 from pipelinerl_jax.losses.opsm import opsm
 from pipelinerl_jax.losses.seq_is import LEVELS, MODES, seq_is
-from pipelinerl_jax.losses.vcpo import SCALINGS, vcpo
+from pipelinerl_jax.losses.vcpo import BASELINES, SCALINGS, vcpo
 from pipelinerl_jax.losses.core import (AGGREGATIONS, KL_ESTIMATORS, LossInputs, aggregate,
                                         kl_to_reference, prepare, sg)
 
@@ -131,7 +131,10 @@ LOSSES = {
     "vcpo": LossSpec(vcpo, {
         "cap": HParam(8.0, float, _number(0, lo_open=True)),
         "ess_base": HParam(1.0, float, _number(0, 1, lo_open=True)),
-        "scaling": HParam("sqrt", str, _choice(SCALINGS))}, proximal=True, step_scale=True),
+        "scaling": HParam("sqrt", str, _choice(SCALINGS)),
+        # The off-policy optimal baseline, applied by the train step; 'opob' as the authors
+        # ran it (every VCPO script enables it), 'none' the ESS-scaled step alone.
+        "baseline": HParam("opob", str, _choice(BASELINES))}, proximal=True, step_scale=True),
 }
 
 AGG_HPARAMS = {
@@ -217,7 +220,9 @@ def get_loss(name: str, *, diagnostics: bool = True,
     `diagnostics.compute` (per-lag-bucket ones as `lag/<name>` float32[6] vectors; see
     `diagnostics.flatten_metrics`). `loss_fn.name` / `loss_fn.hparams` (resolved: defaults
     filled in) / `loss_fn.needs_proximal` / `loss_fn.scales_step` (the update is to be
-    multiplied by `metrics["step_scale"]`) record what was built, for the learner to read.
+    multiplied by `metrics["step_scale"]`) / `loss_fn.baseline` ('none', or the form of VCPO's
+    off-policy optimal baseline the train step subtracts from the advantages) record what was
+    built, for the learner to read.
 
     `loss_fn.traced_hparams` (name -> float) are its numeric hyperparameters (clip ranges,
     caps, tau, kl_coef, ...). The call's `hparams` (a dict of some of those names, e.g. float32
@@ -274,4 +279,5 @@ def get_loss(name: str, *, diagnostics: bool = True,
     loss_fn.traced_hparams = traced
     loss_fn.needs_proximal = spec.proximal
     loss_fn.scales_step = spec.step_scale
+    loss_fn.baseline = hp.get("baseline", "none")  # 'none' or VCPO's OPOB form (train step)
     return loss_fn

@@ -77,7 +77,8 @@ def _oracle_minibatch(name, hp, graphdef, arrays, chunk, params, params0, proxim
 # Every correction at minibatches 1 and 2 (seq_is: its masked geometric form at one of them).
 CASES = [("seq_is", {"level": "geometric", "mode": "mask", "high": 1.3}, 1), ("seq_is", {}, 2),
          ("opsm", {"delta": 0.0}, 1), ("opsm", {"delta": 0.0}, 2), ("a3po", {}, 1),
-         ("a3po", {}, 2), ("vcpo", {}, 1), ("vcpo", {}, 2)]
+         ("a3po", {}, 2), ("vcpo", {"baseline": "none"}, 1), ("vcpo", {"baseline": "none"}, 2)]
+# (VCPO with its off-policy optimal baseline: tests/losses/test_vcpo_baseline.py.)
 
 
 @pytest.mark.parametrize("name,hp,minibatches", CASES)
@@ -142,7 +143,7 @@ def test_vcpo_scales_the_step_of_sequence_tis_by_its_ess():
     """At minibatches=1 VCPO's gradient is sequence TIS's at the same cap; the update (AdamW's,
     weight decay included) is that update times sqrt(ESS/B) of the sequence weights."""
     arrays = _batch(1)
-    before, after, metrics, _ = _step(_cfg("vcpo", 1, cap=2.0), arrays)
+    before, after, metrics, _ = _step(_cfg("vcpo", 1, cap=2.0, baseline="none"), arrays)
     _, tis_after, _, _ = _step(_cfg("tis", 1, level="sequence", cap=2.0), arrays)
     scale = float(metrics["step_scale"])
     assert 0.05 < scale < 0.95
