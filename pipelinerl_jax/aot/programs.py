@@ -16,9 +16,9 @@ run's own jitted function, so what compiles here is what the run executes:
     engine/prefill[b,t]       the engine's prefill (`rollout/engine_programs.py`) at its
                               largest batch and prompt buckets;
     engine/decode[rows,len]   the engine's decode chunk (`engine.steps_per_sync` steps, paged,
-                              the Pallas kernel per shard) at every slot and the largest and
-                              smallest attention-length buckets (the two give the simulator
-                              its per-context cost);
+                              the Pallas kernel per shard) at every slot and the largest
+                              attention-length bucket (without the kernel, the smallest too:
+                              the two give the simulator its per-context cost);
     engine/reshard            a weight update on the engine's chips: the learner's layout
                               (its mesh shape, or fsdp over the engine's chips when the counts
                               differ) and published dtype into the engine's shardings and
@@ -194,7 +194,14 @@ def sampler_programs(cfg, devices: Sequence, *, all_buckets: bool = False) -> Li
                                dict(tokens=b * t), devices))
     rows = e.max_slots
     per_token = pool_bytes_per_token(progs.cache) if paged else 0
-    for length in (cache_l if all_buckets else sorted({cache_l[-1], cache_l[0]}, reverse=True)):
+    # With the Pallas kernel XLA's costs do not depend on the attention length (the kernel's
+    # own estimate is context-free; the committed 0.5B-7B checks gave the same bytes and
+    # FLOPs at 64 and 1,024): one compile, at the largest bucket, and the simulator's point
+    # at the smallest is that one plus its pool reads (`report.decode_cost`).
+    kernel = paged and progs.kernel.impl != "reference"
+    lengths = (cache_l if all_buckets else [cache_l[-1]] if kernel
+               else sorted({cache_l[-1], cache_l[0]}, reverse=True))
+    for length in lengths:
         kw = dict(cache_len=length, rows=rows) if paged else dict(cache_len=length)
         out.append(Program(f"engine/decode[rows={rows},len={length}]", "sampler",
                            lambda kw=kw: fns.decode.lower(*progs.decode_args(rows), **kw),
@@ -202,7 +209,9 @@ def sampler_programs(cfg, devices: Sequence, *, all_buckets: bool = False) -> Li
                            "engine.tensor_parallel)",
                            dict(steps=e.steps_per_sync, rows=rows, cache_len=length,
                                 tokens=e.steps_per_sync * rows,
-                                kernel_kv_bytes=rows * length * per_token), devices,
+                                kernel_kv_bytes=rows * length * per_token,
+                                kv_bytes_per_token=per_token, shortest_len=cache_l[0]),
+                           devices,
                            busy=functools.partial(busy_decode, length=length,
                                                   steps=e.steps_per_sync)))
     decode = [p for p in out if p.name.startswith("engine/decode")]

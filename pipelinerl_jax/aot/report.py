@@ -11,7 +11,8 @@ Estimates (compiler-cost rooflines, not measurements):
     train_step_s                   the train step's roofline at its largest row bucket (one
                                    micro-batch's, counted once by XLA, times their number);
     sim_costs                      what `sim/` takes (`sim/compiled.py`): one decode step at
-                                   two context lengths, prefill per token, train per token.
+                                   two context lengths (with the Pallas kernel, both from one
+                                   compile: `decode_cost`), prefill per token, train per token.
 """
 from __future__ import annotations
 
@@ -62,16 +63,24 @@ def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
             "failures": failures}
 
 
-def decode_cost(v: dict) -> dict:
-    """One decode step's cost for the simulator: the compiler's FLOPs and bytes, plus the KV
-    pool reads of the Pallas kernel (which XLA counts from the kernel's own, context-free
-    estimate; `kv_bytes_added`), and the roofline of the sum on the program's chip."""
-    added = v["work"].get("kernel_kv_bytes", 0) if v.get("mosaic_calls") else 0
+def decode_cost(v: dict, length: Optional[int] = None) -> dict:
+    """One decode step's cost for the simulator at attention length `length` (default: the
+    program's bucket): the compiler's FLOPs and bytes, plus the KV pool reads of the Pallas
+    kernel (which XLA counts from the kernel's own, context-free estimate; `kv_bytes_added`:
+    rows x length x the pool's bytes a token), and the roofline of the sum on its chip."""
+    w = v["work"]
+    length = w["cache_len"] if length is None else length
+    added = 0
+    if v.get("mosaic_calls"):
+        per_token = w.get("kv_bytes_per_token")
+        if per_token is None:  # a check from before that field: its bucket's reads
+            per_token = w.get("kernel_kv_bytes", 0) / (w["rows"] * w["cache_len"])
+        added = w["rows"] * length * per_token
     nbytes = v["bytes_accessed"] + added
     chip = chips_lib.CHIPS.get(v["chip"])
     step_s = chip.roofline_s(v["flops"], nbytes) if chip else v["roofline_s"]
-    return dict(rows=v["work"]["rows"], cache_len=v["work"]["cache_len"], step_s=step_s,
-                flops=v["flops"], bytes_accessed=nbytes, kv_bytes_added=added)
+    return dict(rows=w["rows"], cache_len=length, step_s=step_s, flops=v["flops"],
+                bytes_accessed=nbytes, kv_bytes_added=added)
 
 
 def estimates(programs: dict) -> dict:
@@ -88,6 +97,10 @@ def estimates(programs: dict) -> dict:
     costs = out["sim_costs"]
     if decode:
         costs["decode"] = [decode_cost(v) for v in decode]
+        one, = decode if len(decode) == 1 else (None,)
+        if one and one.get("mosaic_calls") and one["work"].get("shortest_len", 1 << 62) < \
+                one["work"]["cache_len"]:  # one compile: the kernel's costs are length-free
+            costs["decode"].insert(0, decode_cost(one, one["work"]["shortest_len"]))
         top = costs["decode"][-1]
         out["decode_tokens_per_s_per_chip"] = (top["rows"] / top["step_s"] / decode[-1]["chips"]
                                                if top["step_s"] else None)

@@ -24,9 +24,10 @@ def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
     cfg.engine.dtype = "bfloat16"  # a TPU engine's: the float32 learner publishes bf16
     summary = report.run(cfg, "v5e:2x2", dump_dir=str(tmp_path), log=lambda *a: None)
     progs = summary["programs"]
-    assert sorted(progs) == ["engine/decode[rows=64,len=256]", "engine/decode[rows=64,len=64]",
-                             "engine/prefill[b=4,t=256]", "engine/reshard",
-                             "learner/publish", "learner/train_step"]
+    # the Pallas decode compiles once, at the largest attention bucket: the kernel's costs do
+    # not depend on the length (the smallest bucket's point is derived, below)
+    assert sorted(progs) == ["engine/decode[rows=64,len=256]", "engine/prefill[b=4,t=256]",
+                             "engine/reshard", "learner/publish", "learner/train_step"]
     assert summary["failures"] == []
     for name, p in progs.items():
         assert p["compiled"] and p["fits"], (name, p.get("error"))
@@ -64,11 +65,11 @@ def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
     kv = decode["work"]["kernel_kv_bytes"]
     assert kv >= 64 * 256 * 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
     costs = {d["cache_len"]: d for d in est["sim_costs"]["decode"]}
+    assert sorted(costs) == [64, 256]
     for length in (64, 256):
-        compiled = progs[f"engine/decode[rows=64,len={length}]"]
-        assert costs[length]["kv_bytes_added"] == compiled["work"]["kernel_kv_bytes"]
-        assert costs[length]["bytes_accessed"] == (compiled["bytes_accessed"]
-                                                   + compiled["work"]["kernel_kv_bytes"])
+        assert costs[length]["kv_bytes_added"] == kv * length / 256
+        assert costs[length]["bytes_accessed"] == decode["bytes_accessed"] + kv * length / 256
+        assert costs[length]["flops"] == decode["flops"]
     assert costs[256]["step_s"] > costs[64]["step_s"]
     roofline = CHIPS["v5e"].roofline_s(decode["flops"], costs[256]["bytes_accessed"])
     assert est["decode_tokens_per_s_per_chip"] == pytest.approx(64 / roofline)
