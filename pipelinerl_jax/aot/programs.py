@@ -22,8 +22,9 @@ run's own jitted function, so what compiles here is what the run executes:
     engine/reshard            a weight update on the engine's chips: the learner's layout
                               (its mesh shape, or fsdp over the engine's chips when the counts
                               differ) and published dtype into the engine's shardings and
-                              dtype, as one jitted copy; the engine keeps serving meanwhile,
-                              so its live weights and KV pool are resident too (`resident`).
+                              dtype, as one jitted copy (under LoRA the adapters alone: the
+                              engine keeps its base); the engine keeps serving meanwhile, so
+                              its live weights and KV pool are resident too (`resident`).
 
 Roles and chips. The learner takes `resources.learner_devices` of its topology (default: the
 first `prod(mesh.shape)`); a rollout worker takes its block of `resources.sampler_devices`
@@ -49,7 +50,8 @@ from pipelinerl_jax.learner import batching, loop, multihost, train_step as ts
 from pipelinerl_jax.models import Decoder
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models.factory import resolve_model_config
-from pipelinerl_jax.models.lora import add_lora, lora_spec
+from pipelinerl_jax.models.lora import SUFFIX_A, SUFFIX_B, add_lora, lora_spec
+from pipelinerl_jax.models.params import path_name
 from pipelinerl_jax.resources import parse_indices
 from pipelinerl_jax.rollout.engine_programs import engine_mesh, engine_programs
 from pipelinerl_jax.rollout.jax_scheduler import buckets
@@ -180,7 +182,8 @@ def sampler_programs(cfg, devices: Sequence, *, all_buckets: bool = False) -> Li
     mc = model_config(cfg)
     e = cfg.engine
     mesh = engine_mesh(e.tensor_parallel, devices)
-    progs = engine_programs(mc, e, mesh, block_sizes=block_sizes(e))
+    # a LoRA run's engine serves the adapters unmerged (`describe_run`): its model has them
+    progs = engine_programs(mc, e, mesh, block_sizes=block_sizes(e), lora=lora_spec(cfg))
     fns, out = progs.fns, []
     prefill_b = buckets((), 1, e.max_prefill_batch)
     prefill_t = buckets(e.prefill_buckets, 16, e.max_seq_len)
@@ -252,23 +255,40 @@ def busy_decode(args, *, length: int, steps: int):
 
 
 def _reshard(cfg, mc, progs, devices, resident: str) -> Program:
-    """A weight update into the engine's shardings (module docstring)."""
+    """A weight update into the engine's shardings (module docstring). Under LoRA a version
+    is the adapters alone (the engine keeps its base, `JaxEngine._install`): only they move."""
     src_dtype = publish_dtype(cfg) or dtype_of(cfg.model.param_dtype)
     n = len(devices)
     shape = tuple(cfg.mesh.shape) if math.prod(cfg.mesh.shape) == n else (1, n, 1)
     src_mesh = sharding_lib.make_mesh(shape, devices)
-    abstract = nnx.state(nnx.eval_shape(
-        lambda: Decoder(mc.replace(param_dtype=src_dtype, dtype=src_dtype), nnx.Rngs(0))))
+    spec = lora_spec(cfg)
+
+    def build():
+        m = Decoder(mc.replace(param_dtype=src_dtype, dtype=src_dtype), nnx.Rngs(0))
+        return m if spec is None else add_lora(m, spec, nnx.Rngs(1))
+    abstract = nnx.state(nnx.eval_shape(build))
     src = sharding_lib.state_shardings(abstract, src_mesh)
-    args = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract, src)
+    moved = _leaves(abstract, spec is not None)
+    src, dst = _leaves(src, spec is not None), _leaves(progs.param_shardings, spec is not None)
+    args = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=src[k]) for k, a in moved.items()}
     dst_dtype = dtype_of(cfg.engine.dtype)
-    fn = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dst_dtype), p),
-                 out_shardings=progs.param_shardings)
+    fn = jax.jit(lambda p: {k: x.astype(dst_dtype) for k, x in p.items()},
+                 out_shardings={k: dst[k] for k in moved})
     return Program("engine/reshard", "sampler", lambda: fn.lower(args),
                    "engine.tensor_parallel (or engine.kv_budget_tokens)",
-                   dict(params=mc.num_params, source_mesh=shape), devices,
-                   resident_from=resident)
+                   dict(params=sum(math.prod(a.shape) for a in moved.values()),
+                        source_mesh=shape, kind="lora adapters" if spec else "full"),
+                   devices, resident_from=resident)
+
+
+def _leaves(state, adapters_only: bool) -> dict:
+    """{name: leaf value} of an nnx state (`models.params.path_name` names), only the LoRA
+    adapters' when `adapters_only`."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    out = {path_name(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in flat}
+    return {k: v for k, v in out.items()
+            if not adapters_only or k.endswith((SUFFIX_A, SUFFIX_B))}
 
 
 def default_device(devices: Sequence):

@@ -122,3 +122,32 @@ def test_a_bad_config_fails_before_compiling_naming_the_key():
     assert proc.returncode != 0
     assert "config error: learner.batch_groups" in proc.stderr
     assert "compiling" not in proc.stdout
+
+
+def test_a_lora_runs_engine_serves_adapters_and_a_version_moves_only_them(v5e_2x2):
+    """The LoRA engine's programs carry the adapters (served unmerged), and its weight update
+    moves the adapters alone (the engine keeps its base): counted independently from the
+    model's shape, every projection adapted."""
+    cfg = default.get_config()
+    cfg.lora.enabled, cfg.engine.dtype = True, "bfloat16"
+    summary = report.run(cfg, "v5e:2x2", roles=("sampler",), log=lambda *a: None)
+    assert summary["failures"] == []
+    progs = summary["programs"]
+    mc = programs.model_config(cfg)
+    r = cfg.lora.rank
+    D, I, X = mc.hidden_size, mc.intermediate_size, mc.head_dim
+    H, K = mc.num_heads, mc.num_kv_heads
+    # q, k, v, o, gate, up, down: A is in x r, B is r x out
+    per_layer = r * (7 * D + 2 * H * X + 2 * K * X + 3 * I)
+    reshard = progs["engine/reshard"]
+    assert reshard["work"]["kind"] == "lora adapters"
+    assert reshard["work"]["params"] == per_layer * mc.num_layers
+    assert reshard["memory"]["outputs"] < 4 * per_layer * mc.num_layers  # bf16, padded
+    # the decode holds the base and the adapters: more than the base alone
+    plain = default.get_config()
+    plain.engine.dtype = "bfloat16"
+    base = report.run(plain, "v5e:2x2", roles=("sampler",), log=lambda *a: None)["programs"]
+    name = next(k for k in progs if k.startswith("engine/decode"))
+    grown = progs[name]["memory"]["arguments"] - base[name]["memory"]["arguments"]
+    assert grown >= 2 * per_layer * mc.num_layers
+    assert base["engine/reshard"]["work"]["kind"] == "full"
