@@ -104,8 +104,10 @@ REFERENCE_ARM = "ppo"  # PPO-clip: the contrast the M2PO paper and AReaL report
 # step -A·∇log π in exact arithmetic (every ratio and weight is 1, no clip binds, nothing is
 # masked), except gspo, whose sequence-level objective weights tokens per sequence: it is a
 # different update at every lag and stays out of the null family (it is the positive
-# control: a real difference the test should find).
-NOT_NULL = ("gspo",)
+# control: a real difference the test should find). So does vcpo as its authors ran it
+# (`loss.baseline='opob'`, the default): its baseline weights each sequence's reward by its
+# own gradient norm, so even on-policy its advantages are not the group's plain centring.
+NOT_NULL = ("gspo", "vcpo")
 
 
 def _pair(grid, fn, a: str, ka: int, b: str, kb: int, family: str) -> Optional[dict]:

@@ -63,13 +63,15 @@ def _grid(seeds=8):
             "ppo": {0: on_policy(-1), 8: cell(0.0)},
             "tis": {0: on_policy(0), 8: cell(-0.10)},
             "gspo": {0: cell(0.05), 8: cell(0.04)},
+            "vcpo": {0: on_policy(1), 8: cell(-0.05)},
             "decoupled_ppo (minibatches=4)": {0: {s: _Run(base[s], mb=4) for s in range(seeds)}}}
 
 
 def test_families_adjust_within_each_family_and_the_null_control_passes():
     grid, fn = _grid(), (lambda r: r.acc)
     null = protocol.null_control(grid, fn)
-    # gspo is a different update on-policy; a 4-minibatch arm is another setting
+    # gspo and vcpo (its OPOB baseline) are different updates on-policy; a 4-minibatch arm
+    # is another setting
     assert protocol.null_arms(grid) == ["ppo", "reinforce", "tis"]
     assert len(null) == 3 and not any(r["significant"] for r in null)
     cost = protocol.staleness_cost(grid, fn, ["reinforce", "ppo", "tis"], [8])
