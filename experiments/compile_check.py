@@ -37,6 +37,9 @@ _ALL_BUCKETS = flags.DEFINE_bool("all_buckets", False, "Every prefill and decode
                                  "not only the largest (and the smallest decode length).")
 _DUMP_HLO = flags.DEFINE_string("dump_hlo", "", "Directory for each program's optimized HLO.")
 _OUT = flags.DEFINE_string("out", "", "Also write the final JSON object to this file.")
+_JOBS = flags.DEFINE_integer("jobs", 1, "Programs compiled at once (threads; each compile "
+                             "holds its own memory: a 7B program peaks at ~5-7 GB).",
+                             lower_bound=1)
 flags.mark_flags_as_required(["config"])
 
 
@@ -45,7 +48,8 @@ def main(argv):
     try:
         summary = report.run(_CONFIG.value, _TOPOLOGY.value,
                              _SAMPLER_TOPOLOGY.value or None, roles=tuple(_ROLES.value),
-                             all_buckets=_ALL_BUCKETS.value, dump_dir=_DUMP_HLO.value or None)
+                             all_buckets=_ALL_BUCKETS.value, dump_dir=_DUMP_HLO.value or None,
+                             jobs=_JOBS.value)
     except (ConfigError, chips.TopologyError) as e:  # before anything compiled: name the key
         sys.exit(f"config error: {e}")
     line = json.dumps(summary, sort_keys=True)

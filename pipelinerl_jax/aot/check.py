@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent import futures
 import re
 import time
 from typing import Dict, List, Optional
@@ -147,21 +148,35 @@ def compile_program(prog: Program, chip: Chip, dump_dir: Optional[str] = None) -
 
 
 def check_programs(progs: List[Program], chips: Dict[str, Chip],
-                   dump_dir: Optional[str] = None, log=print) -> List[Result]:
-    """Compiles `progs` (role -> its chip in `chips`), adds resident bytes, logs each."""
+                   dump_dir: Optional[str] = None, log=print, jobs: int = 1) -> List[Result]:
+    """Compiles `progs` (role -> its chip in `chips`), adds resident bytes, logs each (in
+    program order). `jobs` > 1 compiles that many at once on threads: XLA compiles with
+    Python's lock released, and JAX's config contexts (the default device) are per thread;
+    each compile holds its own memory, so peak memory grows with `jobs`."""
+    def one(prog):
+        return compile_program(prog, chips[prog.role], dump_dir)
+    if jobs > 1:
+        pool = futures.ThreadPoolExecutor(jobs, "compile")
+        pending = [pool.submit(one, p) for p in progs]
+        compiled = (f.result() for f in pending)  # in program order, as each is done
+    else:
+        pool, compiled = None, (one(p) for p in progs)
     results, args, totals = [], {}, {}
-    for prog in progs:
-        res, arg_bytes = compile_program(prog, chips[prog.role], dump_dir)
-        args[prog.name] = arg_bytes
-        if res.compiled and prog.resident_from:
-            res.memory["resident"] = args.get(prog.resident_from, 0)
-            res.hbm_bytes_per_chip += res.memory["resident"]
-        if res.compiled and prog.alongside:
-            res.memory["alongside"] = totals.get(prog.alongside, 0)
-            res.hbm_bytes_per_chip = res.memory["outputs"] + res.memory["alongside"]
-        totals[prog.name] = res.hbm_bytes_per_chip
-        results.append(res)
-        log(describe(res))
+    try:
+        for prog, (res, arg_bytes) in zip(progs, compiled):
+            args[prog.name] = arg_bytes
+            if res.compiled and prog.resident_from:
+                res.memory["resident"] = args.get(prog.resident_from, 0)
+                res.hbm_bytes_per_chip += res.memory["resident"]
+            if res.compiled and prog.alongside:
+                res.memory["alongside"] = totals.get(prog.alongside, 0)
+                res.hbm_bytes_per_chip = res.memory["outputs"] + res.memory["alongside"]
+            totals[prog.name] = res.hbm_bytes_per_chip
+            results.append(res)
+            log(describe(res))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return results
 
 

@@ -28,7 +28,7 @@ ROLES = ("learner", "sampler")
 
 def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
         roles=ROLES, all_buckets: bool = False, dump_dir: Optional[str] = None,
-        log=functools.partial(print, flush=True)) -> dict:
+        jobs: int = 1, log=functools.partial(print, flush=True)) -> dict:
     """The final JSON object of a compile check (module docstring); raises `ConfigError` /
     `TopologyError` before compiling anything."""
     bad = sorted(set(roles) - set(ROLES))
@@ -49,10 +49,11 @@ def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
         progs += programs.learner_programs(cfg, learner)
     if "sampler" in roles:
         progs += programs.sampler_programs(cfg, worker, all_buckets=all_buckets)
-    log(f"compiling {len(progs)} programs: learner on {len(learner)} x {chip.name} "
-        f"({topology}), each sampler on {len(worker)} x {s_chip.name} "
+    log(f"compiling {len(progs)} programs ({jobs} at a time): learner on {len(learner)} x "
+        f"{chip.name} ({topology}), each sampler on {len(worker)} x {s_chip.name} "
         f"({sampler_topology or topology})")
-    results = check.check_programs(progs, {"learner": chip, "sampler": s_chip}, dump_dir, log)
+    results = check.check_programs(progs, {"learner": chip, "sampler": s_chip}, dump_dir, log,
+                                   jobs=jobs)
     failures = check.failures(results)
     for f in failures:
         log(f"FAIL: {f}")

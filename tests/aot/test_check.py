@@ -59,3 +59,34 @@ def test_a_snapshot_beside_the_train_step_counts_both_and_can_tip_the_chip():
     assert t.fits and not p.fits
     [msg] = check.failures([t, p])
     assert msg.startswith("learner/publish needs") and msg.endswith("learner.publish_dtype")
+
+
+def test_jobs_compile_programs_at_once_and_report_in_program_order():
+    """`jobs=2`: the first program's lowering waits until the second's has started (it could
+    not with one at a time), and the results and log come back in program order, equal to a
+    sequential check's."""
+    import threading
+
+    import jax
+    import jax.numpy as jnp
+    cpu = jax.devices("cpu")[:1]
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    second_started = threading.Event()
+
+    def first():
+        assert second_started.wait(60.0), "the second program never started alongside"
+        return jax.jit(lambda a: a @ a).lower(x)
+
+    def second():
+        second_started.set()
+        return jax.jit(lambda a: a * 2).lower(x)
+    progs = [Program("a", "learner", first, "k", {}, cpu),
+             Program("b", "learner", second, "k", {}, cpu)]
+    lines = []
+    both = check.check_programs(progs, {"learner": CHIPS["v5e"]}, log=lines.append, jobs=2)
+    assert [r.name for r in both] == ["a", "b"] and all(r.compiled for r in both)
+    assert [line.split(" on ")[0] for line in lines] == ["a", "b"]
+    second_started.set()  # sequentially the first no longer waits
+    alone = check.check_programs(progs, {"learner": CHIPS["v5e"]}, log=lambda *a: None)
+    assert [(r.hbm_bytes_per_chip, r.flops) for r in alone] == \
+        [(r.hbm_bytes_per_chip, r.flops) for r in both]
