@@ -89,3 +89,31 @@ def device_check_cpu(tmp_path_factory):
                     continue
         raise AssertionError(f"no JSON line in {part}.log: {(out / f'{part}.log').read_text()[-2000:]}")
     return proc.returncode, result, out, part_json
+
+
+# The fast tier's rule, enforced (tests/fast_tier_guard.py): outside `slow`, a test that starts
+# a process or sleeps on the wall clock fails.
+from tests.fast_tier_guard import GUARD as _GUARD  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    # A run reads its provenance (git's sha: a process) once, at start; so does the test
+    # session, before any test, so the fast tier's tests that record provenance start none.
+    from pipelinerl_jax import provenance
+    provenance.provenance()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _GUARD.slept = 0.0
+    return (yield from _GUARD.phase(item, final=False))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _GUARD.phase(item, final=False))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _GUARD.phase(item, final=True))

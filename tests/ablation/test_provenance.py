@@ -4,11 +4,14 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from pipelinerl_jax import provenance
 from pipelinerl_jax.ablation import results
 from tests.ablation import synthetic
 
 
+@pytest.mark.slow  # starts git to check the sha
 def test_this_process_provenance_is_read_not_guessed():
     from importlib import metadata
     p = provenance.provenance()

@@ -115,18 +115,23 @@ def test_m2po_and_decoupled_verdicts(tmp_path):
     assert _verdict("tinker_kl", folder)["verdict"] == "insufficient data"
 
 
-def test_m2po_forms_and_learning_rates_are_judged_apart(tmp_path):
-    """Both m2po forms (loss.name 'm2po', told apart by loss.form) and a second learning rate
-    in one set of runs: each form is an arm, each learning rate a regime with its own verdict.
-    Before, the released form and the other rate's runs took the same (arm, lag, seed) slots
-    and silently replaced the main grid's runs."""
+def _m2po_tables(tmp_path):
+    """Both m2po forms and tis at two learning rates, lags 0 and 32."""
     low = {"lr": 5e-5}
-    folder = _tables(tmp_path / "both", [
+    return _tables(tmp_path / "both", [
         ("m2po", "m2po", {0: {}, 32: dict(drop=0.005)}, {}),
         ("m2po_released", "m2po", {0: {}, 32: dict(drop=0.10)}, {"form": "released"}),
         ("tis", "tis", {0: {}, 32: dict(drop=0.06)}, {}),
         ("m2po_lowlr", "m2po", {0: {}, 32: {}}, low),
         ("tis_lowlr", "tis", {0: {}, 32: {}}, low)])
+
+
+def test_m2po_forms_and_learning_rates_are_judged_apart(tmp_path):
+    """Both m2po forms (loss.name 'm2po', told apart by loss.form) and a second learning rate
+    in one set of runs: each form is an arm, each learning rate a regime with its own verdict.
+    Before, the released form and the other rate's runs took the same (arm, lag, seed) slots
+    and silently replaced the main grid's runs."""
+    folder = _m2po_tables(tmp_path)
     runs, _ = results.load_runs([folder])
     vs = repro.verdicts("m2po_stale", runs)
     assert [v["regime"] for v in vs] == ["lr=5e-05", "lr=0.0001"]
@@ -145,7 +150,11 @@ def test_m2po_forms_and_learning_rates_are_judged_apart(tmp_path):
     assert text.startswith("# M2PO") and "(m2po_stale, lr=0.0001)" in text.splitlines()[0]
     with pytest.raises(ValueError, match="2 learning rates"):
         repro.verdict("m2po_stale", runs)
-    # the script prints one verdict per regime
+
+
+@pytest.mark.slow  # runs scripts/repro_verdict.py
+def test_the_verdict_script_prints_one_verdict_per_regime(tmp_path):
+    folder = _m2po_tables(tmp_path)
     done = subprocess.run([sys.executable, "scripts/repro_verdict.py", "--name=m2po_stale",
                            f"--results={folder}"], capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)

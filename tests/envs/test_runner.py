@@ -159,6 +159,7 @@ def test_cancel_aborts_the_turn_and_drops_the_episode(tok):
     assert runner.stats()["episodes_cancelled"] == 1 and runner.stats()["stray_completions"] == 1
 
 
+@pytest.mark.slow  # tools that sleep on the wall clock
 def test_slow_tool_does_not_block_other_episodes(tok):
     """Episode 'slow' waits 1 s on its first tool call; the others run all their turns
     meanwhile, their next turns submitted the moment their tools answer."""
@@ -190,6 +191,7 @@ def test_slow_tool_does_not_block_other_episodes(tok):
                                                   for r in eng.submitted[:first_slow_t1]}
 
 
+@pytest.mark.slow  # tools that sleep on the wall clock
 def test_many_slow_tools_overlap(tok):
     def behaviour(problem, turn):
         time.sleep(0.2)

@@ -26,6 +26,7 @@ def _wait_for_line(path, text, timeout=30.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # starts child processes
 def test_a_child_is_restarted_up_to_its_limit_then_fails_with_its_log(tmp_path):
     c = _child(tmp_path, "flaky", "import sys; print('boom', flush=True); sys.exit(3)",
                events=str(tmp_path / "events.jsonl")).start()
@@ -40,6 +41,7 @@ def test_a_child_is_restarted_up_to_its_limit_then_fails_with_its_log(tmp_path):
     assert "[launcher] flaky exited with 3; restart 1" in tail(c.log_path)
 
 
+@pytest.mark.slow  # starts child processes
 def test_stop_kills_a_child_that_ignores_sigterm(tmp_path):
     c = _child(tmp_path, "stubborn", "import signal, time; "
                "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
@@ -49,12 +51,14 @@ def test_stop_kills_a_child_that_ignores_sigterm(tmp_path):
     assert c.poll() == -9  # killed: it would have slept 120 s otherwise
 
 
+@pytest.mark.slow  # starts child processes
 def test_wait_past_its_timeout_stops_the_child_and_returns_minus_one(tmp_path):
     c = _child(tmp_path, "slow", "import time; time.sleep(120)").start()
     assert c.wait(0.3, grace=5.0, interval=0.05) == -1
     assert c.poll() is not None
 
 
+@pytest.mark.slow  # starts child processes
 def test_an_exception_while_waiting_stops_the_child(tmp_path):
     c = _child(tmp_path, "slow", "import time; time.sleep(120)").start()
 
@@ -65,6 +69,7 @@ def test_an_exception_while_waiting_stops_the_child(tmp_path):
     assert c.poll() is not None
 
 
+@pytest.mark.slow  # starts child processes
 def test_stop_all_stops_producers_before_consumers(tmp_path):
     order = tmp_path / "order.txt"
     code = ("import signal, sys, time\n"
@@ -118,6 +123,7 @@ def test_a_learner_that_gives_up_on_non_finite_steps_leaves_a_diverged_record(
     assert not outcome.diverged(workdir, later)
 
 
+@pytest.mark.slow  # starts child processes
 def test_exit_now_finishes_what_python_would_then_skips_finalization(tmp_path):
     """A role's process ends as a normal exit would (non-daemon threads joined, idle
     executor workers woken, atexit handlers run, output flushed) with its exit code, but
@@ -137,6 +143,7 @@ def test_exit_now_finishes_what_python_would_then_skips_finalization(tmp_path):
     assert tail(c.log_path).endswith("buffered, no newline")
 
 
+@pytest.mark.slow  # starts child processes
 def test_stop_records_how_long_the_child_took(tmp_path):
     events = str(tmp_path / "events.jsonl")
     c = _child(tmp_path, "w", "import time; print('up', flush=True); time.sleep(120)",
@@ -150,6 +157,7 @@ def test_stop_records_how_long_the_child_took(tmp_path):
     assert (exit_["event"], exit_["code"]) == ("exit", -15)
 
 
+@pytest.mark.slow  # starts child processes
 def test_poll_with_a_timeout_returns_as_soon_as_the_child_exits(tmp_path):
     c = _child(tmp_path, "quick", "import time; time.sleep(0.2)").start()
     # A poll that waited out its timeout instead would hold this test for an hour (a hang,

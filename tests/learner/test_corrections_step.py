@@ -50,27 +50,33 @@ def _step(cfg, arrays):
     return params0, jax.device_get(state.params), jax.device_get(metrics), nnx.graphdef(model)
 
 
-def _logp_fn(graphdef, arrays, chunk):
-    """params -> the model's log-probs of chunk `chunk`'s sequences, [N, C]."""
-    def logp(params):
-        model = nnx.merge(graphdef, params)
-        logits = model(jnp.asarray(arrays["input_ids"][chunk]),
-                       positions=jnp.asarray(arrays["positions"][chunk]),
-                       segment_ids=jnp.asarray(arrays["segment_ids"][chunk]))
-        lp, _ = ts.logp_and_entropy(logits, jnp.asarray(arrays["targets"][chunk]), 1.0)
-        return jnp.take(lp.reshape(-1), jnp.asarray(arrays["gather_idx"][chunk]))
-    return logp
+_CHUNK_KEYS = ("input_ids", "positions", "segment_ids", "targets", "gather_idx")
+
+
+def _logp(graphdef, params, input_ids, positions, segment_ids, targets, gather_idx):
+    """The model's log-probs of one chunk's sequences, [N, C]."""
+    model = nnx.merge(graphdef, params)
+    logits = model(input_ids, positions=positions, segment_ids=segment_ids)
+    lp, _ = ts.logp_and_entropy(logits, targets, 1.0)
+    return jnp.take(lp.reshape(-1), gather_idx)
+
+
+# Jitted (the graphdef static), so every oracle check compiles them once, not op by op.
+_logp_jit = jax.jit(_logp, static_argnums=0)
+_pullback_grad = jax.jit(jax.grad(
+    lambda params, dlogp, graphdef, *chunk: jnp.sum(dlogp * _logp(graphdef, params, *chunk))),
+    static_argnums=2)
 
 
 def _oracle_minibatch(name, hp, graphdef, arrays, chunk, params, params0, proximal):
     """(loss, gradient norm) of one update on chunk `chunk` at `params`, by the oracle."""
-    logp_fn = _logp_fn(graphdef, arrays, chunk)
-    logp = np.asarray(logp_fn(params), np.float64)
-    prox = np.asarray(logp_fn(params0), np.float64) if proximal else None
+    inputs = [jnp.asarray(arrays[k][chunk]) for k in _CHUNK_KEYS]
+    logp = np.asarray(_logp_jit(graphdef, params, *inputs), np.float64)
+    prox = np.asarray(_logp_jit(graphdef, params0, *inputs), np.float64) if proximal else None
     a = {k: arrays[k][chunk] for k in ("logp_behaviour", "advantages", "loss_mask", "lag")}
     loss, dlogp = oracle.loss_and_grad(name, hp, logp, a["logp_behaviour"], prox,
                                        a["advantages"], a["loss_mask"], a["lag"])
-    grads = jax.grad(lambda p: jnp.sum(jnp.asarray(dlogp, jnp.float32) * logp_fn(p)))(params)
+    grads = _pullback_grad(params, jnp.asarray(dlogp, jnp.float32), graphdef, *inputs)
     return loss, float(optax.global_norm(grads))
 
 

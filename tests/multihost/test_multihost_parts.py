@@ -52,6 +52,7 @@ def _poll(group, timeout=30.0):
     return code
 
 
+@pytest.mark.slow  # starts child processes
 def test_a_dead_learner_process_takes_its_group_down_and_the_group_restarts(tmp_path):
     sleeper = "import time; time.sleep(120)"  # blocked, like a survivor in a collective
     group = _group(tmp_path, [sleeper, "import sys; print('boom', flush=True); sys.exit(3)"],
@@ -73,6 +74,7 @@ def test_a_dead_learner_process_takes_its_group_down_and_the_group_restarts(tmp_
         open(group.children[0].log_path).read()
 
 
+@pytest.mark.slow  # starts child processes
 def test_a_group_is_done_when_every_process_exited_zero(tmp_path):
     group = _group(tmp_path, ["pass", "import time; time.sleep(1)"]).start()
     assert group.poll() is None or group.children[1].poll() == 0

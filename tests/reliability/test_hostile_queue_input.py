@@ -139,6 +139,7 @@ def test_empty_oversize_and_foreign_messages(queue):
     COUNTS["rejected"] += 4
 
 
+@pytest.mark.slow  # sleeps past the queue's group timeout
 def test_a_partial_group_is_never_delivered_and_expires_counted(queue):
     server, client, put = queue
     first, second = _valid_group(2)
@@ -151,6 +152,7 @@ def test_a_partial_group_is_never_delivered_and_expires_counted(queue):
     assert client.stats()["dropped_groups"]["incomplete_timeout"] >= 1
 
 
+@pytest.mark.slow  # sleeps past the queue's group timeout
 def test_every_delivered_row_is_valid_and_the_server_keeps_serving(queue, report):
     server, client, put = queue
     for _ in range(5):  # valid traffic goes on around the garbage

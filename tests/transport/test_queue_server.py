@@ -303,6 +303,7 @@ def test_standalone_server_prints_address_and_exits_on_sigterm(tmp_path):
             proc.kill()
 
 
+@pytest.mark.slow  # sleeps while the client backs off
 def test_client_retries_through_a_server_restart():
     server = RolloutQueueServer().start()
     address = server.address
