@@ -92,10 +92,12 @@ def chaos(tmp_path_factory, init_ckpt):
 
 
 def _learner_idle(workdir, client):
-    """The learner's step once it has trained everything the queue delivered and the queue
-    holds no whole batch for it (with the worker held, nothing changes this any more);
-    None before. Steps start at 1, so an idle learner is truthy."""
+    """The learner's step once it has announced itself to this queue, trained everything the
+    queue delivered, and the queue holds no whole batch for it (with the worker held, nothing
+    changes this any more); None before. Steps start at 1, so an idle learner is truthy."""
     stats = client.stats()
+    if stats["learner_version"] < 0:
+        return None  # the learner has not reached this (restarted) queue yet: not waiting on it
     delivered = stats["batches_delivered"] + stats["batches_redelivered"]
     handled = [b for b in read_jsonl(os.path.join(workdir, "batches.jsonl"))
                if b["batch_id"].startswith(stats["server_id"])]
