@@ -50,8 +50,8 @@ from pipelinerl_jax.learner import batching, loop, multihost, train_step as ts
 from pipelinerl_jax.models import Decoder
 from pipelinerl_jax.models.config import dtype_of
 from pipelinerl_jax.models.factory import resolve_model_config
-from pipelinerl_jax.models.lora import SUFFIX_A, SUFFIX_B, add_lora, lora_spec
-from pipelinerl_jax.models.params import path_name
+from pipelinerl_jax.models.lora import add_lora, is_adapter_name, lora_spec
+from pipelinerl_jax.models.params import flat_params
 from pipelinerl_jax.resources import parse_indices
 from pipelinerl_jax.rollout.engine_programs import engine_mesh, engine_programs
 from pipelinerl_jax.rollout.jax_scheduler import buckets
@@ -282,13 +282,9 @@ def _reshard(cfg, mc, progs, devices, resident: str) -> Program:
 
 
 def _leaves(state, adapters_only: bool) -> dict:
-    """{name: leaf value} of an nnx state (`models.params.path_name` names), only the LoRA
-    adapters' when `adapters_only`."""
-    flat = jax.tree_util.tree_flatten_with_path(
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
-    out = {path_name(p): v.get_value() if isinstance(v, nnx.Variable) else v for p, v in flat}
-    return {k: v for k, v in out.items()
-            if not adapters_only or k.endswith((SUFFIX_A, SUFFIX_B))}
+    """{name: leaf value} of an nnx state, only the LoRA adapters' when `adapters_only`."""
+    return {k: v for k, v in flat_params(state, host=False).items()
+            if not adapters_only or is_adapter_name(k)}
 
 
 def default_device(devices: Sequence):

@@ -98,10 +98,13 @@ def estimates(programs: dict) -> dict:
     costs = out["sim_costs"]
     if decode:
         costs["decode"] = [decode_cost(v) for v in decode]
-        one, = decode if len(decode) == 1 else (None,)
-        if one and one.get("mosaic_calls") and one["work"].get("shortest_len", 1 << 62) < \
-                one["work"]["cache_len"]:  # one compile: the kernel's costs are length-free
-            costs["decode"].insert(0, decode_cost(one, one["work"]["shortest_len"]))
+        # one compile with the Pallas kernel (its costs are length-free): the smallest
+        # bucket's point is derived from it
+        only = decode[0]
+        shortest = only["work"].get("shortest_len")
+        if len(decode) == 1 and only.get("mosaic_calls") and shortest and \
+                shortest < only["work"]["cache_len"]:
+            costs["decode"].insert(0, decode_cost(only, shortest))
         top = costs["decode"][-1]
         out["decode_tokens_per_s_per_chip"] = (top["rows"] / top["step_s"] / decode[-1]["chips"]
                                                if top["step_s"] else None)
