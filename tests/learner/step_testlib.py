@@ -52,3 +52,18 @@ def _train(cfg, rollouts, steps=2):
         state, metrics = step_fn(state, packed.arrays)
         losses.append(float(metrics["loss"]))
     return jax.device_get(state.params), losses, packed
+
+
+def param_delta(before, after):
+    """`after - before` leaf by leaf, in float64 (what one update moved)."""
+    return jax.tree.map(lambda a, b: np.asarray(b, np.float64) - np.asarray(a, np.float64),
+                        before, after)
+
+
+def max_abs(tree) -> float:
+    return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(tree))
+
+
+def max_diff(a, b) -> float:
+    """max |a - b| over every leaf of two trees of the same structure."""
+    return max_abs(jax.tree.map(lambda x, y: np.asarray(x) - np.asarray(y), a, b))

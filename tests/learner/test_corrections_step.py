@@ -21,7 +21,7 @@ from pipelinerl_jax import sharding
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.losses import loss_from_config
 from pipelinerl_jax.models.factory import create_model
-from tests.learner.step_testlib import MODEL, _rollouts
+from tests.learner.step_testlib import MODEL, _rollouts, max_diff, param_delta
 from tests.learner.test_staleness_clip_step import _cfg
 from tests.losses import corrections_reference as oracle
 
@@ -104,16 +104,6 @@ def test_train_step_matches_the_oracle(name, hp, minibatches):
     assert metrics["skipped"] == 0
 
 
-def _delta(before, after):
-    return jax.tree.map(lambda a, b: np.asarray(b, np.float64) - np.asarray(a, np.float64),
-                        before, after)
-
-
-def _max_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
-                                                            jax.tree.leaves(b)))
-
-
 def test_corrections_differ_from_their_nearest_loss_on_stale_data():
     """At minibatches=1 (where the learner's proximal policy is the current one)."""
     arrays = _batch(1)
@@ -123,10 +113,10 @@ def test_corrections_differ_from_their_nearest_loss_on_stale_data():
                           ("opsm", "opsm", {"delta": 0.0}), ("ppo", "ppo", {}),
                           ("a3po", "a3po", {}), ("decoupled_ppo", "decoupled_ppo", {})]:
         before, after, _, _ = _step(_cfg(name, 1, **hp), arrays)
-        moved[key] = _delta(before, after)
+        moved[key] = param_delta(before, after)
     for a, b in [("seq_is", "token_is"), ("opsm", "ppo"), ("a3po", "decoupled_ppo"),
                  ("a3po", "ppo")]:
-        assert _max_diff(moved[a], moved[b]) > 1e-5, (a, b)
+        assert max_diff(moved[a], moved[b]) > 1e-5, (a, b)
 
 
 def test_corrections_equal_their_nearest_loss_where_theory_says():
@@ -135,14 +125,14 @@ def test_corrections_equal_their_nearest_loss_where_theory_says():
 
     def moved(name, batch, **hp):
         before, after, _, _ = _step(_cfg(name, 2, **hp), batch)
-        return _delta(before, after)
+        return param_delta(before, after)
 
     pairs = [(moved("seq_is", arrays, level="token", high=1.5),
               moved("decoupled_ppo", arrays, behave_cap=1.5)),
              (moved("opsm", arrays, delta=1e6), moved("ppo", arrays)),
              (moved("a3po", fresh), moved("ppo", fresh))]
     for a, b in pairs:
-        assert _max_diff(a, b) < 1e-6
+        assert max_diff(a, b) < 1e-6
 
 
 def test_vcpo_scales_the_step_of_sequence_tis_by_its_ess():
@@ -153,10 +143,10 @@ def test_vcpo_scales_the_step_of_sequence_tis_by_its_ess():
     _, tis_after, _, _ = _step(_cfg("tis", 1, level="sequence", cap=2.0), arrays)
     scale = float(metrics["step_scale"])
     assert 0.05 < scale < 0.95
-    vcpo_moved, tis_moved = _delta(before, after), _delta(before, tis_after)
+    vcpo_moved, tis_moved = param_delta(before, after), param_delta(before, tis_after)
     scaled = jax.tree.map(lambda t: scale * t, tis_moved)
     # The same gradient by two float paths: Adam's first update (~lr·g/|g|) magnifies the
     # rounding of near-zero gradients (~3e-6 here) against a whole step (~1e-3).
-    step = _max_diff(tis_moved, jax.tree.map(np.zeros_like, tis_moved))
-    assert _max_diff(vcpo_moved, scaled) < 1e-2 * step
-    assert _max_diff(vcpo_moved, tis_moved) > 0.05 * step
+    step = max_diff(tis_moved, jax.tree.map(np.zeros_like, tis_moved))
+    assert max_diff(vcpo_moved, scaled) < 1e-2 * step
+    assert max_diff(vcpo_moved, tis_moved) > 0.05 * step

@@ -24,7 +24,7 @@ from pipelinerl_jax.config import ConfigError
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.losses import get_loss, loss_from_config
 from pipelinerl_jax.models.factory import create_model
-from tests.learner.step_testlib import MODEL, _rollouts
+from tests.learner.step_testlib import MODEL, _rollouts, max_abs, max_diff, param_delta
 from tests.learner.test_staleness_clip_step import _cfg
 from tests.losses import corrections_reference as oracle
 
@@ -159,19 +159,6 @@ def test_train_step_matches_the_oracle(form, minibatches, micro_batches, hp):
     assert metrics["skipped"] == 0
 
 
-def _delta(before, after):
-    return jax.tree.map(lambda a, b: np.asarray(b, np.float64) - np.asarray(a, np.float64),
-                        before, after)
-
-
-def _max_abs(tree):
-    return max(float(np.max(np.abs(x))) for x in jax.tree.leaves(tree))
-
-
-def _max_diff(a, b):
-    return _max_abs(jax.tree.map(lambda x, y: x - y, a, b))
-
-
 def test_baseline_changes_the_update_where_it_should():
     """Unequal norms and weights: each form moves the parameters differently from VCPO without
     a baseline, and the authors' form ('opob': min(W, cap)² W²) from the README's (W²) when
@@ -180,11 +167,11 @@ def test_baseline_changes_the_update_where_it_should():
     moved = {}
     for form in ("none", "opob", "opob_eq"):
         before, after, _, _ = _step(_cfg_of(form, 1, cap=2.0), arrays)
-        moved[form] = _delta(before, after)
-    step = _max_abs(moved["none"])
-    assert _max_diff(moved["opob"], moved["none"]) > 0.05 * step
-    assert _max_diff(moved["opob_eq"], moved["none"]) > 0.05 * step
-    assert _max_diff(moved["opob"], moved["opob_eq"]) > 1e-3 * step
+        moved[form] = param_delta(before, after)
+    step = max_abs(moved["none"])
+    assert max_diff(moved["opob"], moved["none"]) > 0.05 * step
+    assert max_diff(moved["opob_eq"], moved["none"]) > 0.05 * step
+    assert max_diff(moved["opob"], moved["opob_eq"]) > 1e-3 * step
 
 
 def test_baseline_is_the_plain_mean_with_equal_weights_and_norms():
@@ -201,8 +188,8 @@ def test_baseline_is_the_plain_mean_with_equal_weights_and_norms():
     before, none, _, _ = _step(_cfg_of("none", 1), arrays)
     _, opob, metrics, _ = _step(_cfg_of("opob", 1), arrays)
     assert metrics["vcpo_baseline_abs"] < 1e-6
-    assert _max_diff(_delta(before, opob), _delta(before, none)) < 1e-4 * _max_abs(
-        _delta(before, none))
+    assert max_diff(param_delta(before, opob), param_delta(before, none)) < 1e-4 * max_abs(
+        param_delta(before, none))
 
 
 def test_baseline_key_is_validated():
