@@ -7,8 +7,8 @@
 #   FINISHED=1 bash scripts/staleness_study.sh ROOT ...   # skip the committed runs too
 #   ONLY=main bash scripts/staleness_study.sh ROOT 1 9      # one grid's seeds first
 #   LAGS=0,4,8,16,32 ONLY=main bash scripts/staleness_study.sh ROOT 4 13   # the goal's lags
-#   GRIDS=protocol bash scripts/staleness_study.sh ROOT 0 29   # the pre-registered grids
-#   GRIDS=protocol ONLY=mb4 bash scripts/staleness_study.sh ROOT 0 29   # one of them
+#   GRIDS=protocol bash scripts/staleness_study.sh ROOT 0 31   # the pre-registered grids
+#   GRIDS=protocol ONLY=mb4 bash scripts/staleness_study.sh ROOT 0 31   # one of them
 #
 # Grids, per seed: the full grid (configs/ablate/staleness.py: 10 loss arms x 7 lags), its
 # learning-rate-5e-5 subgrid (:lowlr, 7 arms x 7 lags), the tinker KL repro (lag 3, in the
@@ -50,6 +50,7 @@ want() { [ -z "${ONLY:-}" ] || [ "$ONLY" = "$1" ]; }
 # GRIDS=protocol: the pre-registered grids (configs/ablate/staleness_protocol.py, docs/
 # staleness_study.md, Protocol), in-process, seed by seed; ONLY=<arg> runs one of them
 # ('main' for its '' grid). countdown/sort/large train their own warm start in ROOT/<arg>.
+# FINISHED=1 skips the runs scripts/export_results.py committed to results/staleness_protocol/.
 if [ "${GRIDS:-}" = "protocol" ]; then
   P=configs/ablate/staleness_protocol.py
   for seed in $(seq "$FIRST" "$LAST"); do
@@ -71,7 +72,8 @@ PY
         case "$arg" in countdown|sort|large) ;; *)
           warm=(--config.experiment.warm_start.checkpoint="$WARM") ;; esac
         python experiments/ablate.py --config="$cfg" --workdir="$ROOT/protocol/$arg" \
-          "${warm[@]}" --config.axes.seed.only="$seed" ${LAGS:+--config.axes.lag.only="$LAGS"}
+          "${warm[@]}" --config.axes.seed.only="$seed" ${LAGS:+--config.axes.lag.only="$LAGS"} \
+          ${FINISHED:+--config.runner.finished_tables="results/staleness_protocol/$arg"}
       fi
     done
   done

@@ -4,7 +4,7 @@ each, every one in the single-process lag-injected mode but `:async` (real async
     python experiments/ablate.py --config=configs/ablate/staleness_protocol.py:ARG \\
         --workdir=W/ARG --config.experiment.warm_start.checkpoint=results/staleness_study/warm_start
 
-  ''          confirmatory grid: the 6 key arms x lags {0, 8, 32} x 30 seeds, lr 2e-4, 60 steps
+  ''          confirmatory grid: the 8 key arms x lags {0, 8, 32} x 32 seeds, lr 2e-4, 60 steps
   mb4         where the decoupled losses act: decoupled_ppo, ppo, staleness_clip at 4
               minibatches, lr 5e-5, lags {0, 8, 16, 32}, 30 seeds
   varlag      the same three at 4 minibatches under a variable injected lag (uniform on
@@ -38,9 +38,17 @@ KEY_ARMS = (("reinforce", {"loss": {"name": "reinforce"}}),
             ("tis", {"loss": {"name": "tis"}}),
             ("decoupled_ppo", {"loss": {"name": "decoupled_ppo"}}),
             ("staleness_clip", {"loss": {"name": "staleness_clip"}}),
-            ("m2po_authors", {"loss": {"name": "m2po", "form": "released"}}))
+            ("m2po_authors", {"loss": {"name": "m2po", "form": "released"}}),
+            # issue 40's corrections the literature ties to staleness, joined 2026-12-04
+            # before any protocol run: sequence-level truncated IS, and VCPO as its authors
+            # ran it (OPOB baseline, ESS-scaled step)
+            ("seq_is", {"loss": {"name": "seq_is"}}),
+            ("vcpo", {"loss": {"name": "vcpo"}}))
 DECOUPLED = ("decoupled_ppo", "ppo", "staleness_clip")
-SEEDS = tuple(range(30))  # scripts/staleness_power.py: 5 pts at 80% power, Holm over 12
+# scripts/staleness_power.py: 5 pts at 80% power, Holm over the larger family (m = 16 at
+# 8 key arms x 2 lags: 32 seeds; the 3-arm grids' families hold at most 9: 30 seeds)
+SEEDS = tuple(range(32))
+SEEDS_3ARM = tuple(range(30))
 LONG_STEPS = 160
 ARGS = ("", "mb4", "varlag", "async", "sweep", "drift", "countdown", "sort", "large")
 
@@ -62,6 +70,7 @@ def get_config(arg: str = ""):
         c.axes.loss = _arms(DECOUPLED)
         c.axes.minibatches = sweep("learner.minibatches", (4,))
         c.axes.lag.levels = (0, 8, 16, 32)
+        c.axes.seed.levels = SEEDS_3ARM
     if arg == "varlag":
         c.experiment.lag_injection.kind = "uniform"  # lag drawn on 0..max_k each step
         c.axes.lag = sweep("lag_injection.max_k", (8, 32), also=("lag_injection.k",))
@@ -84,7 +93,10 @@ def get_config(arg: str = ""):
             *[(f"staleness_clip_cap{_tag(k)}", {"loss": {"name": "staleness_clip", "cap": k}})
               for k in (1.5, 2, 4)],
             *[(f"m2po_authors_tau{_tag(t)}", {"loss": {"name": "m2po", "form": "released",
-                                                   "tau": t}}) for t in (0.01, 0.04, 0.16)])
+                                                   "tau": t}}) for t in (0.01, 0.04, 0.16)],
+            *[(f"seq_is_high{_tag(k)}", {"loss": {"name": "seq_is", "high": k}})
+              for k in (1.5, 2, 4)],
+            *[(f"vcpo_cap{_tag(k)}", {"loss": {"name": "vcpo", "cap": k}}) for k in (4, 8, 16)])
         c.axes.lag.levels = (8,)
         c.axes.seed.levels = tuple(range(10))
     elif arg == "drift":
@@ -100,6 +112,7 @@ def get_config(arg: str = ""):
         e.learner.total_steps = LONG_STEPS
         e.learner.eval_every = 40
         c.axes.loss = _arms(("reinforce", "ppo", "tis", "m2po_authors"))
+        c.axes.seed.levels = SEEDS_3ARM
         if arg == "countdown":
             e.task.name = "countdown"
             e.sampling.max_new_tokens = 40

@@ -97,7 +97,8 @@ def seeds_for_power(effect: float, sd: float, alpha: float = ALPHA, target: floa
 
 # The protocol's arms and lags (docs/staleness_study.md, Protocol). Confirmatory claims are
 # made on these only; every other comparison is secondary and labelled so.
-KEY_ARMS = ("reinforce", "ppo", "tis", "decoupled_ppo", "staleness_clip", "m2po_authors")
+KEY_ARMS = ("reinforce", "ppo", "tis", "decoupled_ppo", "staleness_clip", "m2po_authors",
+            "seq_is", "vcpo")
 CONFIRM_LAGS = (8, 32)
 REFERENCE_ARM = "ppo"  # PPO-clip: the contrast the M2PO paper and AReaL report
 # On-policy (lag 0, one minibatch) every loss of the registry takes the plain policy-gradient

@@ -17,7 +17,7 @@ from configs.ablate import staleness_protocol  # noqa: E402
 
 
 @pytest.mark.parametrize("arg, runs, seeds", [
-    ("", 540, 30), ("mb4", 360, 30), ("varlag", 180, 30), ("async", 60, 10), ("sweep", 150, 10),
+    ("", 768, 32), ("mb4", 360, 30), ("varlag", 180, 30), ("async", 60, 10), ("sweep", 210, 10),
     ("drift", 750, 10), ("countdown", 360, 30), ("sort", 360, 30), ("large", 360, 30)])
 def test_each_protocol_grid_expands_and_validates(arg, runs, seeds):
     c = staleness_protocol.get_config(arg)
@@ -31,7 +31,7 @@ def test_each_protocol_grid_expands_and_validates(arg, runs, seeds):
 
 def test_the_confirmatory_grid_is_the_protocols():
     c = staleness_protocol.get_config("")
-    assert c.axes.seed.levels == tuple(range(30))
+    assert c.axes.seed.levels == tuple(range(32))
     c.axes.seed.levels = (0,)
     rs = grid.expand(c)
     assert {r.labels["loss"] for r in rs} == {a for a, _ in staleness_protocol.KEY_ARMS} \
