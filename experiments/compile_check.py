@@ -23,7 +23,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from pipelinerl_jax.aot import chips, report  # noqa: E402
-from pipelinerl_jax.config import ConfigError  # noqa: E402
+from pipelinerl_jax.config_checks import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file.",
                                           lock_config=True)

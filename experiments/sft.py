@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from pipelinerl_jax.config import ConfigError  # noqa: E402
+from pipelinerl_jax.config_checks import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Experiment config.",
                                           lock_config=True)

@@ -53,7 +53,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_dict
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.lag_buckets import LAG_BUCKETS  # the diagnostics' buckets, stalest last
 
 SIGNALS = ("ess", "kl_k3")

@@ -50,7 +50,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 
 import ml_collections
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 # Chips in one TPU process -> TPU_CHIPS_PER_PROCESS_BOUNDS (the chip sub-block's x,y,z shape),

@@ -36,7 +36,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from pipelinerl_jax import resources
-from pipelinerl_jax.config import ConfigError, check_keys
+from pipelinerl_jax.config_checks import ConfigError, check_keys
 from pipelinerl_jax.lag_control import lag_control_config, validate_lag_control
 
 MODES = ("async", "sync")
@@ -191,7 +191,7 @@ def publish_dtype(cfg):
     the learner's dtype (its checkpoint restores it like the params), so it publishes as
     trained."""
     import jax.numpy as jnp  # late: JAX
-    from pipelinerl_jax.models.config import dtype_of
+    from pipelinerl_jax.models.decoder_config import dtype_of
     want = cfg.learner.publish_dtype
     if want not in PUBLISH_DTYPES:
         raise ConfigError("learner.publish_dtype", f"must be one of {PUBLISH_DTYPES}, "

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 import ml_collections
 
-from pipelinerl_jax.config import ConfigError, check_keys
+from pipelinerl_jax.config_checks import ConfigError, check_keys
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 CHAR_VOCAB: tuple[str, ...] = (

@@ -56,7 +56,7 @@ from pipelinerl_jax import sharding  # noqa: E402
 from pipelinerl_jax.learner import batching, train_step as ts  # noqa: E402
 from pipelinerl_jax.losses import get_loss  # noqa: E402
 from pipelinerl_jax.models import ModelConfig, from_pretrained  # noqa: E402
-from pipelinerl_jax.models.config import dtype_of  # noqa: E402
+from pipelinerl_jax.models.decoder_config import dtype_of  # noqa: E402
 from pipelinerl_jax.models.random_checkpoint import (SHAPES, check_checkpoint_shape,  # noqa: E402
                                                      write_random_checkpoint)
 from pipelinerl_jax.rollout import engine_memory  # noqa: E402

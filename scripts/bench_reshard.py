@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from pipelinerl_jax import sharding  # noqa: E402
 from pipelinerl_jax.models import config_qwen2_5_0_5b, flat_params  # noqa: E402
-from pipelinerl_jax.models.config import dtype_of  # noqa: E402
+from pipelinerl_jax.models.decoder_config import dtype_of  # noqa: E402
 from pipelinerl_jax.models.params import reshard  # noqa: E402
 from pipelinerl_jax.rollout.engine_programs import engine_programs  # noqa: E402
 from pipelinerl_jax.rollout.jax_engine import engine_config  # noqa: E402

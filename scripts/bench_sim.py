@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from absl import app, flags  # noqa: E402
 
 from configs.sim import bench64  # noqa: E402
-from pipelinerl_jax.sim.config import build_setup  # noqa: E402
+from pipelinerl_jax.sim.sim_config import build_setup  # noqa: E402
 from pipelinerl_jax.sim.pipeline import simulate  # noqa: E402
 from pipelinerl_jax.sim.sweep import sweep_split  # noqa: E402
 

@@ -20,7 +20,7 @@ from absl import app, flags  # noqa: E402
 
 from configs.sim import agentic, talk  # noqa: E402
 from pipelinerl_jax.sim import plots  # noqa: E402
-from pipelinerl_jax.sim.config import build_setup  # noqa: E402
+from pipelinerl_jax.sim.sim_config import build_setup  # noqa: E402
 from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS  # noqa: E402
 from pipelinerl_jax.sim.latency import DecodeLatency  # noqa: E402
 from pipelinerl_jax.sim.pipeline import simulate  # noqa: E402

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax import config_checks as cfg_lib
 from pipelinerl_jax import envs, run_config
 from pipelinerl_jax.tokenizer import CharTokenizer, get_tokenizer
 

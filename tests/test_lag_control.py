@@ -3,7 +3,7 @@ of the metrics history, checked on scripted signal sequences; and its config val
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.lag_control import (
     LAG_BUCKETS, LagController, LagLaw, Observation, decide, loss_metrics, observe, replay,
     wait_fraction)

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from pipelinerl_jax import resources, run_config
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.launch import launcher
 from pipelinerl_jax.launch.supervisor import Child, tail
 

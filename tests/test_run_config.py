@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from pipelinerl_jax import run_config
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

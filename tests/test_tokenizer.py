@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.tasks import get_task, task_config
 from pipelinerl_jax.tokenizer import (CHAR_VOCAB, CharTokenizer, HFTokenizer, get_tokenizer,
                                        tokenizer_config)

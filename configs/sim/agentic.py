@@ -4,7 +4,7 @@ model turns (uniform), each turn a lognormal answer (median 200, p99 1,500 token
 200 environment tokens appended per tool answer. 32 prompts x 8 episodes per step.
 Variants: `agentic.py:sync`, `agentic.py:async`, `agentic.py:sweep`.
 """
-from pipelinerl_jax.sim.config import default_config
+from pipelinerl_jax.sim.sim_config import default_config
 
 
 def get_config(arg: str = "async"):

@@ -1,7 +1,7 @@
 """The benchmark setting (scripts/bench_sim.py): 64 x H100, Qwen2.5-7B, 512 prompts x 16
 samples per step, async with 19 sampler and 45 trainer devices (the best split the sweep
 finds for it), queue of 2 batches, max_lag 4, 1,000 learner steps."""
-from pipelinerl_jax.sim.config import default_config
+from pipelinerl_jax.sim.sim_config import default_config
 
 
 def get_config(arg: str = "async"):

@@ -6,7 +6,7 @@ is a lognormal (median 400, p99 3,800 tokens) cut at 16,384 tokens, plus 0.4% of
 that ramble to that cut; chosen so that the simulated sync step reproduces the talk's
 completion times (scripts/reproduce_sim_figures.py prints them). Variants: `talk.py:sync`, `talk.py:async`, `talk.py:sweep`.
 """
-from pipelinerl_jax.sim.config import default_config
+from pipelinerl_jax.sim.sim_config import default_config
 
 
 def get_config(arg: str = "async"):

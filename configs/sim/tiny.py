@@ -1,6 +1,6 @@
 """A tiny simulation that runs in well under a second (tests, smoke runs): the measured CPU
 preset and the tiny decoder, 4 devices, 8 prompts x 4 samples per step."""
-from pipelinerl_jax.sim.config import default_config
+from pipelinerl_jax.sim.sim_config import default_config
 
 
 def get_config(arg: str = "async"):

@@ -30,8 +30,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import ml_collections
 
-from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.config import get as config_get
+from pipelinerl_jax.config_checks import ConfigError
+from pipelinerl_jax.config_checks import get as config_get
 
 
 # Sections every run must share: they decide what the one shared warm start is.

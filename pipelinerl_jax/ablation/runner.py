@@ -48,7 +48,7 @@ import ml_collections
 from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation import results
 from pipelinerl_jax.ablation.grid import RunSpec, axis_labels, expand
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.launch import launch, outcome
 from pipelinerl_jax.launch.supervisor import Child, exit_now, tail, wait_any
 from pipelinerl_jax.launch.warm_start import warm_start

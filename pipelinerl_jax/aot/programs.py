@@ -45,10 +45,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.learner import batching, loop, multihost, train_step as ts
 from pipelinerl_jax.models import Decoder
-from pipelinerl_jax.models.config import dtype_of
+from pipelinerl_jax.models.decoder_config import dtype_of
 from pipelinerl_jax.models.factory import resolve_model_config
 from pipelinerl_jax.models.lora import add_lora, is_adapter_name, lora_spec
 from pipelinerl_jax.models.params import flat_params

@@ -21,7 +21,7 @@ from typing import Optional
 
 from pipelinerl_jax.aot import chips as chips_lib
 from pipelinerl_jax.aot import check, programs
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 
 ROLES = ("learner", "sampler")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import ml_collections
 
-from pipelinerl_jax import config as cfglib
+from pipelinerl_jax import config_checks as cfglib
 from pipelinerl_jax.envs import calculator, kv_lookup
 from pipelinerl_jax.envs.base import (EnvReply, EnvTask, Environment, ModelTurn,
                                       encode_demonstration, final_answer_reply, last_line)

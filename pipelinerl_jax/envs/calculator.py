@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelinerl_jax import config as cfglib
+from pipelinerl_jax import config_checks as cfglib
 from pipelinerl_jax.envs.base import (EnvReply, EnvTask, Environment, ModelTurn,
                                       final_answer_reply, last_line)
 from pipelinerl_jax.tasks.base import Problem, nested

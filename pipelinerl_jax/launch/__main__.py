@@ -50,7 +50,7 @@ def load_config(config_args):
 if __name__ == "__main__":
     args, config_args = parse_args()
     workdir = os.path.abspath(args.workdir)
-    from pipelinerl_jax.config import ConfigError
+    from pipelinerl_jax.config_checks import ConfigError
     try:
         if config_args:
             from pipelinerl_jax.launch.standalone import prepare

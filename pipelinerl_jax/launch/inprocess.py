@@ -33,7 +33,7 @@ import threading
 from typing import Optional
 
 from pipelinerl_jax import run_config
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.launch.launcher import write_summary
 from pipelinerl_jax.launch.outcome import record_learner_stopped
 from pipelinerl_jax.launch.roles import pin

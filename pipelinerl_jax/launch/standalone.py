@@ -17,7 +17,7 @@ import os
 from typing import Optional, Tuple
 
 from pipelinerl_jax import run_config
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 
 
 def init_checkpoint(cfg, workdir: str, given: Optional[str]) -> str:

@@ -16,7 +16,7 @@ import os
 import threading
 from typing import Callable, Optional
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.launch import roles
 from pipelinerl_jax.launch.progress import SftProgress
 from pipelinerl_jax.launch.supervisor import LaunchError, tail

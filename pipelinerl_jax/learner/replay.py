@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import jax
 
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.learner import multihost, recording, train_step as ts
 from pipelinerl_jax.learner.loop import make_step
 from pipelinerl_jax.losses import flatten_metrics

@@ -51,7 +51,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.learner.batching import PACKED_KEYS, SEQ_KEYS
 
 

@@ -10,7 +10,7 @@ Formulas and defaults: DESIGN.md, "Loss specification"; each loss's docstring in
 from pipelinerl_jax.losses.advantages import (ESTIMATORS, GroupAdvantages, advantage_config,
                                               advantages_from_config, baseline_advantages,
                                               compute_advantages, validate_advantage_config)
-from pipelinerl_jax.losses.config import loss_config, loss_from_config, validate_loss_config
+from pipelinerl_jax.losses.loss_section import loss_config, loss_from_config, validate_loss_config
 from pipelinerl_jax.losses.core import AGGREGATIONS, KL_ESTIMATORS, MAX_LOG_RATIO, LossInputs
 from pipelinerl_jax.losses.diagnostics import (LAG_BUCKETS, TOKEN_METRICS, flatten_metrics,
                                                off_policy_diagnostics)

@@ -28,7 +28,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_dict
 
-from pipelinerl_jax.config import ConfigError, check_keys
+from pipelinerl_jax.config_checks import ConfigError, check_keys
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 OVERLONG = ("none", "penalty", "filter")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.losses import diagnostics as off_policy
 from pipelinerl_jax.losses import policy
 from pipelinerl_jax.losses.a3po import a3po

@@ -1,5 +1,5 @@
 """Decoder models (Llama-3 / Qwen2 / Qwen3) and Hugging Face checkpoint I/O."""
-from pipelinerl_jax.models.config import (CheckpointError, ModelConfig, config_100m,
+from pipelinerl_jax.models.decoder_config import (CheckpointError, ModelConfig, config_100m,
                                           config_qwen2_5_0_5b, tiny_config)
 from pipelinerl_jax.models.model import (Decoder, KVCache, init_cache, token_entropy,
                                          token_logprobs)

@@ -12,9 +12,9 @@ import jax
 import ml_collections
 from flax import nnx
 
-from pipelinerl_jax import config as C
+from pipelinerl_jax import config_checks as C
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models.config import ModelConfig, dtype_of
+from pipelinerl_jax.models.decoder_config import ModelConfig, dtype_of
 from pipelinerl_jax.models.hf_io import from_pretrained, load_config
 from pipelinerl_jax.models.lora import add_lora
 from pipelinerl_jax.models.model import Decoder

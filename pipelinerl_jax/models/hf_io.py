@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models.config import CheckpointError, ModelConfig, dtype_of
+from pipelinerl_jax.models.decoder_config import CheckpointError, ModelConfig, dtype_of
 from pipelinerl_jax.models.model import Decoder
 from pipelinerl_jax.models.params import (decoder_from_flat, flat_params, param_shapes,
                                           state_from_flat)

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.config import ConfigError, check_keys
+from pipelinerl_jax.config_checks import ConfigError, check_keys
 from pipelinerl_jax.models.params import WeightsMismatch, flat_params
 
 # target name -> (the block's submodule, how many leading axes of W are its input)

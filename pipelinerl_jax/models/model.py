@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pipelinerl_jax.models.config import ModelConfig
+from pipelinerl_jax.models.decoder_config import ModelConfig
 from pipelinerl_jax.models.paged_attention import PagedKVCache, paged_attention, write_pages
 
 # The std of every random weight (norm scales start at 1, biases at 0); the host-side random

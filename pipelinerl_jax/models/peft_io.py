@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from pipelinerl_jax.models.config import CheckpointError, ModelConfig, dtype_of
+from pipelinerl_jax.models.decoder_config import CheckpointError, ModelConfig, dtype_of
 from pipelinerl_jax.models.hf_io import (from_pretrained, hf_name_map, iter_safetensors,
                                          load_config, write_hf_dir, write_safetensors)
 from pipelinerl_jax.models.lora import (SUFFIX_A, SUFFIX_B, TARGETS, LoRASpec,

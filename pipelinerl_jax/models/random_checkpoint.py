@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from pipelinerl_jax.models.config import (CheckpointError, ModelConfig, config_qwen2_5_0_5b,
+from pipelinerl_jax.models.decoder_config import (CheckpointError, ModelConfig, config_qwen2_5_0_5b,
                                           tiny_config)
 from pipelinerl_jax.models.hf_io import hf_name_map, load_config, write_hf_tensors
 from pipelinerl_jax.models.model import INIT_STD, Decoder

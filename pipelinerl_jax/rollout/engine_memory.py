@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax import config_checks as cfg_lib
 
 HEADROOM = 0.1  # of free device memory, left for activations (prefill logits) and XLA
 GiB = 1 << 30

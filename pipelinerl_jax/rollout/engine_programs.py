@@ -35,12 +35,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax import config_checks as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import Decoder
 from pipelinerl_jax.models import paged_kernels
 from pipelinerl_jax.models.lora import add_lora
-from pipelinerl_jax.models.config import dtype_of
+from pipelinerl_jax.models.decoder_config import dtype_of
 from pipelinerl_jax.models.paged_attention import (LANES, init_paged_cache, padded_head_dim,
                                                    stored_kv_heads)
 from pipelinerl_jax.rollout import engine_steps

@@ -55,7 +55,7 @@ from flax import nnx
 
 from pipelinerl_jax.models import Decoder, KVCache, init_cache
 from pipelinerl_jax.models.lora import add_lora
-from pipelinerl_jax.models.config import ModelConfig
+from pipelinerl_jax.models.decoder_config import ModelConfig
 from pipelinerl_jax.models.paged_attention import write_pages
 from pipelinerl_jax.rollout.decode_step import decode_logits, write_rows
 from pipelinerl_jax.rollout.sampling import RowParams, is_stop, sample

@@ -38,11 +38,11 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax import config_checks as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
 from pipelinerl_jax.models import (Decoder, flat_params, from_pretrained, param_shapes,
                                    state_from_flat)
-from pipelinerl_jax.models.config import dtype_of
+from pipelinerl_jax.models.decoder_config import dtype_of
 from pipelinerl_jax.models import paged_kernels
 from pipelinerl_jax.models.params import WeightsMismatch
 from pipelinerl_jax.models.peft_io import read_peft_dir

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
-from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax import config_checks as cfg_lib
 from pipelinerl_jax.rollout.sglang_client import parse_url
 
 PAUSE_MODES = ("retract", "in_place", "abort")

@@ -6,7 +6,7 @@
   calibrate(run_dir, setup)     # predicted vs measured for a real run directory
 """
 from pipelinerl_jax.sim.calibrate import calibrate, read_run
-from pipelinerl_jax.sim.config import build_setup, default_config
+from pipelinerl_jax.sim.sim_config import build_setup, default_config
 from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS, Accelerator, ModelSpec, measure_cpu
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime, kv_capacity_tokens
 from pipelinerl_jax.sim.lengths import Empirical, LogNormal

@@ -27,8 +27,8 @@ import os
 
 import numpy as np
 
-from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.sim.config import build_setup, default_config
+from pipelinerl_jax.config_checks import ConfigError
+from pipelinerl_jax.sim.sim_config import build_setup, default_config
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime
 from pipelinerl_jax.sim.lengths import Empirical
 from pipelinerl_jax.sim.pipeline import MODES, simulate

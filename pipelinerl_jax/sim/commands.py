@@ -8,10 +8,10 @@ import os
 
 import numpy as np
 
-from pipelinerl_jax.config import one_of
+from pipelinerl_jax.config_checks import one_of
 from pipelinerl_jax.sim import plots
 from pipelinerl_jax.sim.calibrate import calibrate
-from pipelinerl_jax.sim.config import build_setup
+from pipelinerl_jax.sim.sim_config import build_setup
 from pipelinerl_jax.sim.pipeline import MODES, simulate
 from pipelinerl_jax.sim.sweep import sweep_split
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.sim.hardware import Accelerator
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime
 

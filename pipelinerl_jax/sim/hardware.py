@@ -2,7 +2,7 @@
 
 An `Accelerator` is what one device offers a model; a `ModelSpec` is what a decoder costs per
 token. Units are SI (bytes, bytes/s, FLOP/s); config files speak GB, GB/s and TFLOP/s and are
-converted in `sim/config.py`.
+converted in `sim/sim_config.py`.
 
 Accelerator presets use the vendors' public datasheet numbers (dense bf16, no sparsity):
   h100     NVIDIA H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s.

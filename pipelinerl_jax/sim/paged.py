@@ -1,6 +1,6 @@
 """KV-limited admission of one engine, chunk by chunk: a paged pool or a token reservation.
 
-`EnginePool` (engines.py) gives every engine a fixed number of slots, set in config.py from
+`EnginePool` (engines.py) gives every engine a fixed number of slots, set in sim_config.py from
 the KV capacity over the tokens one sequence holds (`rollout.kv_budget`). This module is the
 finer model those slot counts are checked against: one engine doing continuous batching in
 decode chunks, with the admission rules of `JaxEngine` (rollout/jax_scheduler.py), driven by
@@ -26,7 +26,7 @@ A chunk runs up to `steps_per_sync` steps and, while sequences are queued, stops
 next admission). A prefill samples one token; a sequence whose prompt + 1 reaches its limit
 ends there.
 
-`paged_concurrency` is the closed form config.py turns into slots for `EnginePool`
+`paged_concurrency` is the closed form sim_config.py turns into slots for `EnginePool`
 (`rollout.kv_budget='paged'`): the mean active sequences of a fed paged engine, from the pool
 tokens a sequence holds over its stay in whole chunks (`paged_tokens_per_sequence`). docs/sim.md
 "Paged KV cache" derives it; tests/sim/test_sim_paged.py and scripts/sim_paged_agreement.py

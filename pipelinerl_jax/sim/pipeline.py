@@ -48,7 +48,7 @@ _MAX_RERUNS = 8  # see _run_async.advance
 
 @dataclasses.dataclass
 class SimSetup:
-    """A validated description of one simulation (built by `sim.config.build_setup`)."""
+    """A validated description of one simulation (built by `sim.sim_config.build_setup`)."""
     mode: str
     steps: int
     seed: int

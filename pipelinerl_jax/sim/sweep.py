@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipelinerl_jax.config import ConfigError, positive_int
+from pipelinerl_jax.config_checks import ConfigError, positive_int
 from pipelinerl_jax.resources import format_indices
-from pipelinerl_jax.sim.config import accelerator, build_setup, model_spec, trainer_fits
+from pipelinerl_jax.sim.sim_config import accelerator, build_setup, model_spec, trainer_fits
 from pipelinerl_jax.sim.pipeline import simulate
 
 

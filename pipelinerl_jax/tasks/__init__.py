@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import ml_collections
 
-from pipelinerl_jax import config as cfglib
+from pipelinerl_jax import config_checks as cfglib
 from pipelinerl_jax.tasks import countdown, gsm8k, synthetic
 from pipelinerl_jax.tasks.base import (HELD_OUT_MODULUS, GeneratedTask, Problem, RewardResult,
                                        Task, is_held_out, nested, stable_hash)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelinerl_jax import config as cfglib
+from pipelinerl_jax import config_checks as cfglib
 from pipelinerl_jax.tasks.base import GeneratedTask, Problem, nested
 
 DEFAULTS = {"num_numbers": 4, "max_operand": 25, "max_target": 100, "use_all_numbers": True}

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from pipelinerl_jax import config as cfglib
+from pipelinerl_jax import config_checks as cfglib
 from pipelinerl_jax.tasks.base import Problem, Task, nested, non_negative_int, stable_hash
 
 DEFAULTS = {"path": "", "eval_path": "", "eval_size": 200,

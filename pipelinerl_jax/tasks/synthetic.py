@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelinerl_jax import config as cfglib
+from pipelinerl_jax import config_checks as cfglib
 from pipelinerl_jax.tasks.base import GeneratedTask, Problem, nested
 
 _Z99 = statistics.NormalDist().inv_cdf(0.99)

@@ -14,8 +14,8 @@ import importlib
 
 _EXPORTS = {
     "codec": ["InvalidRollout", "Limits", "rollout_from_pb", "rollout_to_pb"],
-    "config": ["client_kwargs", "publisher_kwargs", "queue_address", "subscriber_kwargs",
-               "transport_config", "validate_transport_config", "weights_address"],
+    "transport_section": ["client_kwargs", "publisher_kwargs", "queue_address", "subscriber_kwargs",
+                          "transport_config", "validate_transport_config", "weights_address"],
     "queue_client": ["Batch", "PutResult", "QueueUnavailable", "RolloutQueueClient",
                      "RolloutRejected", "SessionSupersededError", "TransportError"],
     "queue_server": ["RolloutQueueServer"],

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 from pipelinerl_jax import records
 from pipelinerl_jax.transport import rollout_pb2 as pb
 from pipelinerl_jax.transport.codec import rollout_from_pb, rollout_to_pb, validate_rollout
-from pipelinerl_jax.transport.config import limits_from_config
+from pipelinerl_jax.transport.transport_section import limits_from_config
 from pipelinerl_jax.transport.queue_client import Batch, PutResult, message_dict
 from pipelinerl_jax.transport.queue_core import QueueCore
 

@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
-from pipelinerl_jax.transport.config import limits_from_config, queue_address, tls_from_config
+from pipelinerl_jax.transport.transport_section import limits_from_config, queue_address, tls_from_config
 from pipelinerl_jax.transport.codec import InvalidRollout, Limits, validate_rollout
 from pipelinerl_jax.transport.queue_core import (
     GroupRejected, NoVersionYet, QueueCore, QueueFull, SessionSuperseded)

@@ -36,9 +36,9 @@ from typing import Callable, Mapping, Optional, Protocol
 import numpy as np
 
 from pipelinerl_jax.models import load_config, write_hf_dir
-from pipelinerl_jax.models.config import dtype_of
+from pipelinerl_jax.models.decoder_config import dtype_of
 from pipelinerl_jax.models.peft_io import write_peft_dir
-from pipelinerl_jax.transport.config import publisher_kwargs, weights_address
+from pipelinerl_jax.transport.transport_section import publisher_kwargs, weights_address
 from pipelinerl_jax.transport.versioned_dir import gc_versions, write_versioned_dir
 from pipelinerl_jax.transport.weight_version import (DESCRIPTION_FILE, WeightVersion,
                                                      describe_run)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from pipeline_testlib import ROOT, TINY_FLAGS, make_init_checkpoint
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.ablation import grid, runner
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline_testlib import ROOT
 from pipelinerl_jax.ablation import grid
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.tasks import get_task
 
 sys.path.insert(0, ROOT)

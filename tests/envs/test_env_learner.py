@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.envs import CalculatorTask, build_task, encode_demonstration, is_env_task
 from pipelinerl_jax.launch.demonstrations import demo_rollouts
 from pipelinerl_jax.learner import batching

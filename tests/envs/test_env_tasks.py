@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.envs import (CalculatorTask, KVLookupTask, ModelTurn, encode_demonstration,
                                  env_config, get_env_task, make_runner, runner_options)
 from pipelinerl_jax.envs.calculator import CalcError, evaluate

@@ -12,7 +12,7 @@ from tests.pipeline_testlib import make_init_checkpoint
 from pipelinerl_jax import run_config
 from pipelinerl_jax.ablation import grid, runner
 from pipelinerl_jax.ablation.same_run import differences
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.launch.inprocess import check_inprocess
 from tests.ablation.test_ablate import _tiny_experiment
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline_testlib import ROOT, make_init_checkpoint
 from pipelinerl_jax import run_config
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.launch.warm_start import warm_start
 
 

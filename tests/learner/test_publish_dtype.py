@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.learner import loop, multihost
 from pipelinerl_jax.models import flat_params, save_pretrained
 from pipelinerl_jax.models.factory import build_model

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import run_config
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.learner import batching, recording
 from pipelinerl_jax.learner.replay import config_differences
 from pipelinerl_jax.records import Rollout

@@ -4,7 +4,7 @@ without a proximal policy, and the identities their sources imply."""
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.losses import get_loss
 from tests.losses import corrections_reference as oracle
 from tests.losses.losses_testlib import make_inputs, run

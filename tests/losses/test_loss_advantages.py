@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.losses import (advantage_config, advantages_from_config, baseline_advantages,
                                    compute_advantages, validate_advantage_config)
 

@@ -8,7 +8,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from losses_testlib import make_inputs, run_many
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.losses import (LOSSES, advantage_config, get_loss, hparams_of, loss_config,
                                    loss_from_config, needs_proximal, validate_loss_config)
 

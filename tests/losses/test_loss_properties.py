@@ -7,7 +7,7 @@ import pytest
 
 import losses_reference as ref
 from losses_testlib import B, T, compiled, make_inputs, run, run_many, to_jax, traces
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.losses import LOSSES, LossInputs, get_loss
 from pipelinerl_jax.losses.policy import m2po_keep
 

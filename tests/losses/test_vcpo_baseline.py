@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax import sharding
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.learner import batching, loop, train_step as ts
 from pipelinerl_jax.losses import get_loss, loss_from_config
 from pipelinerl_jax.models.factory import create_model

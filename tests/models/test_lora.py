@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from pipelinerl_jax import run_config, sharding
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.models import (Decoder, LoRASpec, WeightsMismatch, adapter_params,
                                    add_lora, base_params, decoder_from_flat, flat_params,
                                    merge_lora, merged_params, tiny_config, token_logprobs)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax import run_config
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.launch import __main__ as role_main
 from pipelinerl_jax.launch.learner_group import LearnerGroup, process_env, warm_start_env
 from pipelinerl_jax.launch.standalone import prepare

@@ -12,9 +12,9 @@ import socket
 import grpc
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.transport import RolloutQueueServer, transport_config
-from pipelinerl_jax.transport.config import validate_transport_config
+from pipelinerl_jax.transport.transport_section import validate_transport_config
 from tests.transport.flat_weights import FlatPublisher as WeightPublisher
 from tests.pipeline_testlib import ROOT
 

@@ -5,7 +5,7 @@ within 1e-5. 'auto' is the reference on CPU; a bad value is a ConfigError naming
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.rollout.jax_engine import engine_config, validate_engine_config
 from tests.rollout.conftest import make_engine, random_requests, run_until
 

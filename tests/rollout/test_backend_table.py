@@ -7,7 +7,7 @@ import os
 import ml_collections
 import pytest
 
-from pipelinerl_jax import config as cfg_lib
+from pipelinerl_jax import config_checks as cfg_lib
 from pipelinerl_jax import run_config
 from pipelinerl_jax.rollout import factory
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.models import Decoder, ModelConfig, tiny_config
 from pipelinerl_jax.rollout import engine_memory
 from pipelinerl_jax.rollout.decode_step import init_engine_cache

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pipelinerl_jax import sharding
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.models import flat_params, tiny_config
 from pipelinerl_jax.rollout.engine_programs import engine_mesh, engine_programs
 from pipelinerl_jax.rollout.jax_engine import engine_config

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.envs import build_task
 from pipelinerl_jax.metrics import read_jsonl
 from pipelinerl_jax.rollout import factory

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.rollout.engine import EngineClosedError, RequestError
 from pipelinerl_jax.rollout.jax_engine import engine_config, validate_engine_config
 from pipelinerl_jax.rollout.sampling import truncate

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.models import tiny_config
 from pipelinerl_jax.models.paged_attention import init_paged_cache
 from pipelinerl_jax.rollout import engine_memory

@@ -6,7 +6,7 @@ reuse (and of the dense engine), or of a per-position replay where 'keep' reuses
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.rollout.jax_engine import engine_config, validate_engine_config
 from pipelinerl_jax.rollout.page_allocator import PageAllocator
 from pipelinerl_jax.rollout.prefix_cache import PrefixCache

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.run_config import base_config, resolve, validate
 from pipelinerl_jax.rollout.sglang_config import sglang_config, validate_sglang_config

@@ -8,9 +8,9 @@ import pytest
 from sim_synthetic_run import write_run_dir
 
 from configs.sim import tiny
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.sim.calibrate import calibrate, read_run
-from pipelinerl_jax.sim.config import build_setup
+from pipelinerl_jax.sim.sim_config import build_setup
 from pipelinerl_jax.sim.pipeline import simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.sim import compiled
-from pipelinerl_jax.sim.config import build_setup, default_config
+from pipelinerl_jax.sim.sim_config import build_setup, default_config
 from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS
 from pipelinerl_jax.sim.latency import DecodeLatency
 

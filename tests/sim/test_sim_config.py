@@ -2,8 +2,8 @@
 import pytest
 
 from configs.sim import talk, tiny
-from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.sim.config import build_setup
+from pipelinerl_jax.config_checks import ConfigError
+from pipelinerl_jax.sim.sim_config import build_setup
 
 
 def _expect(key, edit, cfg=None):

@@ -1,11 +1,11 @@
 """The simulator's paged-admission model (sim/paged.py): a case computed by hand, the real
-paged JaxEngine step for step, and the closed form config.py sizes slots with."""
+paged JaxEngine step for step, and the closed form sim_config.py sizes slots with."""
 import numpy as np
 import pytest
 
 from configs.sim import tiny
-from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.sim.config import build_setup
+from pipelinerl_jax.config_checks import ConfigError
+from pipelinerl_jax.sim.sim_config import build_setup
 from pipelinerl_jax.sim.lengths import LogNormal
 from pipelinerl_jax.sim.paged import (ChunkedEngine, pages_for, paged_concurrency,
                                       paged_tokens_per_sequence)

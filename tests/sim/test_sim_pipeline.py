@@ -4,7 +4,7 @@ import math
 import pytest
 
 from configs.sim import tiny
-from pipelinerl_jax.sim.config import build_setup, default_config
+from pipelinerl_jax.sim.sim_config import build_setup, default_config
 from pipelinerl_jax.sim.pipeline import simulate
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from configs.sim import tiny
 from pipelinerl_jax.sim import pipeline
-from pipelinerl_jax.sim.config import build_setup, default_config
+from pipelinerl_jax.sim.sim_config import build_setup, default_config
 
 
 def _simulate_recorded(setup, monkeypatch):

@@ -4,8 +4,8 @@ import math
 import pytest
 
 from configs.sim import agentic, tiny
-from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.sim.config import build_setup, default_config
+from pipelinerl_jax.config_checks import ConfigError
+from pipelinerl_jax.sim.sim_config import build_setup, default_config
 from pipelinerl_jax.sim.pipeline import simulate
 
 L, TURNS, TOOL = 200, 3, 2.0

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.tasks import GSM8KTask, Problem, get_task, task_config
 from pipelinerl_jax.tasks.gsm8k import DatasetError, extract_answer
 

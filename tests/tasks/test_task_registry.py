@@ -2,7 +2,7 @@
 import ml_collections
 import pytest
 
-from pipelinerl_jax.config import ConfigError
+from pipelinerl_jax.config_checks import ConfigError
 from pipelinerl_jax.tasks import (CountdownTask, SyntheticStringTask, get_task, task_config,
                                   validate_task_config)
 

@@ -1,8 +1,8 @@
 """The transport config section: defaults validate; each bad value names its key."""
 import pytest
 
-from pipelinerl_jax.config import ConfigError
-from pipelinerl_jax.transport.config import (
+from pipelinerl_jax.config_checks import ConfigError
+from pipelinerl_jax.transport.transport_section import (
     client_kwargs, transport_config, validate_transport_config)
 from pipelinerl_jax.transport.queue_server import RolloutQueueServer
 
@@ -54,7 +54,7 @@ def test_unknown_key_and_conflicts(tmp_path):
 
 
 def test_weight_sync_from_config():
-    from pipelinerl_jax.transport.config import publisher_kwargs, subscriber_kwargs
+    from pipelinerl_jax.transport.transport_section import publisher_kwargs, subscriber_kwargs
     from tests.transport.flat_weights import FlatPublisher as WeightPublisher, FlatSubscriber as WeightSubscriber
     cfg = transport_config()
     cfg.weights_port, cfg.weight_chunk_bytes = 0, 4096

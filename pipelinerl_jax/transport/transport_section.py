@@ -14,7 +14,7 @@ from typing import Optional
 
 from ml_collections import ConfigDict, config_dict
 
-from pipelinerl_jax.config import ConfigError, check_keys, get, number, one_of, positive_int
+from pipelinerl_jax.config_checks import ConfigError, check_keys, get, number, one_of, positive_int
 from pipelinerl_jax.transport.codec import Limits
 from pipelinerl_jax.transport.queue_core import STALE_POLICIES
 from pipelinerl_jax.transport.security import TLSConfig, check_bind, load_token
@@ -62,7 +62,7 @@ def _key(prefix: str, name: str) -> str:
 
 
 def _checked(prefix: str, fn, cfg, name: str, *args, **kwargs):
-    """Runs a `pipelinerl_jax.config` check on `cfg[name]`, naming `prefix.name` on failure."""
+    """Runs a `pipelinerl_jax.config_checks` check on `cfg[name]`, naming `prefix.name` on failure."""
     try:
         return fn(cfg, name, *args, **kwargs)
     except ConfigError as e:

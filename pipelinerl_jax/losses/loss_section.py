@@ -14,7 +14,7 @@ from typing import Any, Callable
 import ml_collections
 from ml_collections import config_dict
 
-from pipelinerl_jax.config import ConfigError, check_keys
+from pipelinerl_jax.config_checks import ConfigError, check_keys
 from pipelinerl_jax.losses.registry import (AGG_HPARAMS, KL_HPARAMS, LOSSES, get_loss,
                                             resolve_hparams)
 

@@ -5,7 +5,7 @@ the config are the ones people quote: GB, GB/s, TFLOP/s, billions of parameters,
 A hardware or model field left at None takes the preset's value (`sim/hardware.py`).
 
 `build_setup(cfg)` validates and returns a `SimSetup`; every problem is a
-`pipelinerl_jax.config.ConfigError` naming the key, raised before any simulation.
+`pipelinerl_jax.config_checks.ConfigError` naming the key, raised before any simulation.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_dict
 
-from pipelinerl_jax.config import ConfigError, check_keys, number, one_of, positive_int
+from pipelinerl_jax.config_checks import ConfigError, check_keys, number, one_of, positive_int
 from pipelinerl_jax.sim import compiled
 from pipelinerl_jax.sim.hardware import ACCELERATORS, MODELS, Accelerator, ModelSpec
 from pipelinerl_jax.sim.latency import DecodeLatency, TrainTime, kv_capacity_tokens
