@@ -51,16 +51,26 @@ class Result:
     roofline_s: float = 0.0
     mosaic_calls: int = 0
     out_of_memory: bool = False  # the compiler refused: more HBM than the chip has
+    effort: Optional[float] = None  # `exec_time_optimization_effort`; None: the full plan
+    margin: float = 0.0  # the share of the chip a verdict keeps free (the quick plan's error)
 
     @property
     def fits(self) -> bool:
-        return self.compiled and self.hbm_bytes_per_chip <= self.hbm_capacity_bytes
+        return self.compiled and \
+            self.hbm_bytes_per_chip <= self.hbm_capacity_bytes * (1 - self.margin)
+
+    @property
+    def too_close(self) -> bool:
+        """Fits the chip but not inside the quick plan's margin: only the full plan can say."""
+        return (self.compiled and not self.fits and
+                self.hbm_bytes_per_chip <= self.hbm_capacity_bytes)
 
     def summary(self) -> dict:
         out = {k: getattr(self, k) for k in (
             "compiled", "hbm_bytes_per_chip", "hbm_capacity_bytes", "flops", "bytes_accessed",
             "roofline_s")}
         out.update(fits=self.fits, out_of_memory=self.out_of_memory, role=self.role,
+                   plan="full" if self.effort is None else "quick", margin=self.margin,
                    chip=self.chip, chips=self.chips,
                    memory=self.memory, work=self.work, mosaic_calls=self.mosaic_calls,
                    compile_s=round(self.compile_s, 1))
@@ -113,14 +123,35 @@ def mosaic_calls(hlo_text: str) -> int:
     return len(re.findall(r'custom_call_target="tpu_custom_call"', hlo_text))
 
 
-def compile_program(prog: Program, chip: Chip, dump_dir: Optional[str] = None) -> tuple:
-    """(Result, the argument bytes per chip) of one program; a compiler error is a result."""
+# The quick check (`--fast`): every program but those in QUICK_FULL_PLAN compiles with XLA's
+# executable build option `exec_time_optimization_effort` at its floor. Measured on the
+# 7B/8B recipes (docs/tpu.md, "The quick check"): a quarter to a third of the compile time;
+# HBM per chip within 8.4% of the full plan (lower where it differed), so a quick verdict
+# keeps QUICK_MARGIN of the chip free; FLOPs equal; the cost analysis's bytes 7-67% lower
+# (another fusion plan), so the decode, whose speed estimate is bytes-bound, keeps the full
+# plan, and the train step's estimate is rough (-11% to -48%).
+QUICK_EFFORT = -1.0
+QUICK_FULL_PLAN = ("engine/decode",)
+QUICK_MARGIN = 0.10
+
+
+def quick_plan(name: str) -> bool:
+    """Whether the quick check compiles program `name` at the least effort."""
+    return not name.startswith(QUICK_FULL_PLAN)
+
+
+def compile_program(prog: Program, chip: Chip, dump_dir: Optional[str] = None,
+                    effort: Optional[float] = None) -> tuple:
+    """(Result, the argument bytes per chip) of one program; a compiler error is a result.
+    `effort`: XLA's `exec_time_optimization_effort` (None: the default a run compiles with)."""
     res = Result(prog.name, prog.role, False, chip.name, len(prog.devices), prog.config_key,
-                 prog.work, hbm_capacity_bytes=int(chip.hbm_bytes))
+                 prog.work, hbm_capacity_bytes=int(chip.hbm_bytes), effort=effort,
+                 margin=QUICK_MARGIN if effort is not None else 0.0)
     t0 = time.perf_counter()
     try:
         with default_device(prog.devices):
-            compiled = prog.lower().compile()
+            options = None if effort is None else {"exec_time_optimization_effort": effort}
+            compiled = prog.lower().compile(compiler_options=options)
     except Exception as e:  # the compiler's own message is the result
         res.error = f"{type(e).__name__}: {str(e).strip()[:2000]}"
         res.compile_s = time.perf_counter() - t0
@@ -148,13 +179,16 @@ def compile_program(prog: Program, chip: Chip, dump_dir: Optional[str] = None) -
 
 
 def check_programs(progs: List[Program], chips: Dict[str, Chip],
-                   dump_dir: Optional[str] = None, log=print, jobs: int = 1) -> List[Result]:
+                   dump_dir: Optional[str] = None, log=print, jobs: int = 1,
+                   quick: bool = False) -> List[Result]:
     """Compiles `progs` (role -> its chip in `chips`), adds resident bytes, logs each (in
     program order). `jobs` > 1 compiles that many at once on threads: XLA compiles with
     Python's lock released, and JAX's config contexts (the default device) are per thread;
-    each compile holds its own memory, so peak memory grows with `jobs`."""
+    each compile holds its own memory, so peak memory grows with `jobs`. `quick`: the quick
+    check's plan (`QUICK_EFFORT` where `quick_plan`)."""
     def one(prog):
-        return compile_program(prog, chips[prog.role], dump_dir)
+        effort = QUICK_EFFORT if quick and quick_plan(prog.name) else None
+        return compile_program(prog, chips[prog.role], dump_dir, effort)
     if jobs > 1:
         pool = futures.ThreadPoolExecutor(jobs, "compile")
         pending = [pool.submit(one, p) for p in progs]
@@ -191,7 +225,10 @@ def describe(r: Result) -> str:
         return f"{head}: DID NOT COMPILE ({r.compile_s:.0f} s)\n    {r.error}"
     m = r.memory
     parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in m.items() if v)
-    verdict = "fits" if r.fits else "DOES NOT FIT"
+    verdict = ("fits" if r.fits else "TOO CLOSE FOR THE QUICK CHECK" if r.too_close
+               else "DOES NOT FIT")
+    if r.effort is not None:
+        verdict += f" (quick plan: {r.margin:.0%} of the chip kept free)"
     steps, chunks = r.work.get("steps"), r.work.get("chunks")
     per = (f" per step ({steps} steps a call)" if steps else
            f" per micro-batch ({chunks} a step)" if chunks and chunks > 1 else "")
@@ -212,6 +249,11 @@ def failures(results: List[Result]) -> List[str]:
                        f"change {r.config_key}")
         elif not r.compiled:
             out.append(f"{r.name} did not compile for {r.chip}; change {r.config_key}")
+        elif r.too_close:
+            out.append(f"{r.name} needs {r.hbm_bytes_per_chip / (1 << 30):.2f} GiB per chip of "
+                       f"a {r.chip}'s {r.hbm_capacity_bytes / (1 << 30):.2f}: inside the quick "
+                       f"check's {r.margin:.0%} margin; run the full check (without --fast) "
+                       f"or change {r.config_key}")
         elif not r.fits:
             out.append(f"{r.name} needs {r.hbm_bytes_per_chip / (1 << 30):.2f} GiB per chip, a "
                        f"{r.chip} has {r.hbm_capacity_bytes / (1 << 30):.2f} GiB; change "

@@ -28,9 +28,12 @@ ROLES = ("learner", "sampler")
 
 def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
         roles=ROLES, all_buckets: bool = False, dump_dir: Optional[str] = None,
-        jobs: int = 1, log=functools.partial(print, flush=True)) -> dict:
+        jobs: int = 1, fast: bool = False,
+        log=functools.partial(print, flush=True)) -> dict:
     """The final JSON object of a compile check (module docstring); raises `ConfigError` /
-    `TopologyError` before compiling anything."""
+    `TopologyError` before compiling anything. `fast`: the quick check, every program but the decode
+    at the compiler's least optimization effort (`check.QUICK_EFFORT`), verdicts with
+    `check.QUICK_MARGIN` of the chip kept free; `plan` in the JSON and per program says."""
     bad = sorted(set(roles) - set(ROLES))
     if bad or not roles:
         raise chips_lib.TopologyError(f"--roles: {bad or 'none'}; valid: {list(ROLES)}")
@@ -49,11 +52,12 @@ def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
         progs += programs.learner_programs(cfg, learner)
     if "sampler" in roles:
         progs += programs.sampler_programs(cfg, worker, all_buckets=all_buckets)
-    log(f"compiling {len(progs)} programs ({jobs} at a time): learner on {len(learner)} x "
+    log(f"{'quick check (least compiler effort but the decode): ' if fast else ''}"
+        f"compiling {len(progs)} programs ({jobs} at a time): learner on {len(learner)} x "
         f"{chip.name} ({topology}), each sampler on {len(worker)} x {s_chip.name} "
         f"({sampler_topology or topology})")
     results = check.check_programs(progs, {"learner": chip, "sampler": s_chip}, dump_dir, log,
-                                   jobs=jobs)
+                                   jobs=jobs, quick=fast)
     failures = check.failures(results)
     for f in failures:
         log(f"FAIL: {f}")
@@ -61,7 +65,8 @@ def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
     return {"topology": topology, "sampler_topology": sampler_topology or topology,
             "chips": {"learner": vars(chip), "sampler": vars(s_chip)},
             "programs": programs_out, "estimates": estimates(programs_out),
-            "failures": failures}
+            "failures": failures,
+            "plan": "quick" if fast else "full"}
 
 
 def decode_cost(v: dict, length: Optional[int] = None) -> dict:

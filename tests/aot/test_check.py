@@ -90,3 +90,27 @@ def test_jobs_compile_programs_at_once_and_report_in_program_order():
     alone = check.check_programs(progs, {"learner": CHIPS["v5e"]}, log=lambda *a: None)
     assert [(r.hbm_bytes_per_chip, r.flops) for r in alone] == \
         [(r.hbm_bytes_per_chip, r.flops) for r in both]
+
+
+def test_a_quick_verdict_keeps_a_margin_and_sends_a_close_call_to_the_full_check():
+    """The quick plan's HBM is within 8.4% of the full plan's (measured, 7B/8B): a quick result
+    inside `QUICK_MARGIN` of the chip neither fits nor fails; it names the full check."""
+    cap = int(CHIPS["v5e"].hbm_bytes)
+
+    def result(used, effort):
+        r = check.Result("learner/train_step", "learner", True, "v5e", 4,
+                         "learner.micro_batches", {}, hbm_capacity_bytes=cap, effort=effort,
+                         margin=check.QUICK_MARGIN if effort is not None else 0.0)
+        r.hbm_bytes_per_chip = int(used * cap)
+        return r
+    assert result(0.95, None).fits  # the full plan: the chip is the limit
+    close = result(0.95, check.QUICK_EFFORT)
+    assert not close.fits and close.too_close and close.summary()["plan"] == "quick"
+    [msg] = check.failures([close])
+    assert "inside the quick check's 10% margin; run the full check" in msg
+    assert msg.endswith("change learner.micro_batches")
+    assert "TOO CLOSE FOR THE QUICK CHECK" in check.describe(close)
+    assert result(0.85, check.QUICK_EFFORT).fits
+    over = result(1.05, check.QUICK_EFFORT)
+    assert not over.fits and not over.too_close
+    assert "DOES NOT FIT" in check.describe(over)

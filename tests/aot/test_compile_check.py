@@ -20,9 +20,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
+    """The quick check (`--fast`: what it asserts here does not depend on the plan; the
+    full plan's train step alone compiles for ~1 minute: the slow test below compares)."""
     cfg = default.get_config()
     cfg.engine.dtype = "bfloat16"  # a TPU engine's: the float32 learner publishes bf16
-    summary = report.run(cfg, "v5e:2x2", dump_dir=str(tmp_path), log=lambda *a: None)
+    summary = report.run(cfg, "v5e:2x2", dump_dir=str(tmp_path), fast=True,
+                         log=lambda *a: None)
     progs = summary["programs"]
     # the Pallas decode compiles once, at the largest attention bucket: the kernel's costs do
     # not depend on the length (the smallest bucket's point is derived, below)
@@ -73,6 +76,35 @@ def test_default_config_programs_compile_and_fit_a_v5e(v5e_2x2, tmp_path):
     assert costs[256]["step_s"] > costs[64]["step_s"]
     roofline = CHIPS["v5e"].roofline_s(decode["flops"], costs[256]["bytes_accessed"])
     assert est["decode_tokens_per_s_per_chip"] == pytest.approx(64 / roofline)
+    assert summary["plan"] == "quick" and progs["learner/train_step"]["plan"] == "quick"
+
+
+@pytest.mark.slow  # the full plan of the train step alone is ~1 minute here
+def test_the_quick_check_keeps_the_programs_buffers_and_flops_of_the_full_one(v5e_2x2):
+    """`--fast` against the full plan (the verdict): the same programs, the same buffers in
+    and out (shapes and shardings are the program's), the same FLOPs and kernel calls, the
+    decode identical (it keeps the full plan), and another plan elsewhere (the option reaches
+    the compiler: some program's temporaries or code differ)."""
+    cfg = default.get_config()
+    cfg.engine.dtype = "bfloat16"
+    full = report.run(cfg, "v5e:2x2", log=lambda *a: None)
+    lines = []
+    quick = report.run(cfg, "v5e:2x2", fast=True, log=lines.append)
+    assert full["plan"] == "full" and quick["plan"] == "quick"
+    assert lines[0].startswith("quick check")
+    progs = full["programs"]
+    assert sorted(quick["programs"]) == sorted(progs) and quick["failures"] == []
+    for name, p in progs.items():
+        q = quick["programs"][name]
+        assert q["compiled"] and q["fits"] and p["fits"], name
+        for part in ("arguments", "outputs", "aliased"):
+            assert q["memory"].get(part) == p["memory"].get(part), (name, part)
+        assert q["flops"] == pytest.approx(p["flops"], rel=0.01), name
+        assert q["mosaic_calls"] == p["mosaic_calls"], name
+    assert any(quick["programs"][n]["memory"] != p["memory"] for n, p in progs.items())
+    name = "engine/decode[rows=64,len=256]"
+    assert {**quick["programs"][name], "compile_s": 0} == {**progs[name], "compile_s": 0}
+    assert quick["programs"]["learner/train_step"]["plan"] == "quick"
 
 
 def test_qwen_05b_decode_runs_the_pallas_kernel_per_shard_of_a_2way_tensor_mesh(v5e_2x2):
@@ -130,7 +162,7 @@ def test_a_lora_runs_engine_serves_adapters_and_a_version_moves_only_them(v5e_2x
     model's shape, every projection adapted."""
     cfg = default.get_config()
     cfg.lora.enabled, cfg.engine.dtype = True, "bfloat16"
-    summary = report.run(cfg, "v5e:2x2", roles=("sampler",), log=lambda *a: None)
+    summary = report.run(cfg, "v5e:2x2", roles=("sampler",), fast=True, log=lambda *a: None)
     assert summary["failures"] == []
     progs = summary["programs"]
     mc = programs.model_config(cfg)
@@ -146,7 +178,8 @@ def test_a_lora_runs_engine_serves_adapters_and_a_version_moves_only_them(v5e_2x
     # the decode holds the base and the adapters: more than the base alone
     plain = default.get_config()
     plain.engine.dtype = "bfloat16"
-    base = report.run(plain, "v5e:2x2", roles=("sampler",), log=lambda *a: None)["programs"]
+    base = report.run(plain, "v5e:2x2", roles=("sampler",), fast=True,
+                      log=lambda *a: None)["programs"]
     name = next(k for k in progs if k.startswith("engine/decode"))
     grown = progs[name]["memory"]["arguments"] - base[name]["memory"]["arguments"]
     assert grown >= 2 * per_layer * mc.num_layers
