@@ -1,8 +1,8 @@
 """Cost of VCPO's off-policy optimal baseline (`loss.baseline='opob'`) in the learner's train
 step, against VCPO without it (`'none'`), on the tiny test model on CPU.
 
-The baseline adds, per micro-batch, one forward and one backward per sequence (each over the
-packed micro-batch, through its vjp), so the ratio grows with the sequences per micro-batch.
+The baseline adds, per sequence, one forward and one backward of the packed row that holds
+it (through its vjp), so the ratio stays near the cost of one more forward and backward.
 Every configuration takes turns in each round (load on a shared machine hits them alike);
 the median wall time and process CPU time of one jitted step, after a warmup, are reported.
 

@@ -385,21 +385,42 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
+    def row_logp(params, frozen, mb, row):
+        """Log-probs of packed row `row` of `mb` alone, `[pack_len]` (no row sharding: one
+        row). Rows are independent (attention stays inside a segment), so a sequence's
+        log-probs, and their gradient, are the same as in the whole packed micro-batch."""
+        model = nnx.merge(graphdef, params) if frozen is None else \
+            nnx.merge(graphdef, frozen, params)
+        take = lambda k: jax.lax.dynamic_slice_in_dim(mb[k], row, 1)  # noqa: E731
+        logits = model(take("input_ids"), positions=take("positions"),
+                       segment_ids=take("segment_ids"))
+        logp, _ = logp_and_entropy(logits, take("targets"), temperature)
+        return logp[0]
+
     def sequence_stats(params, frozen, mb):
         """([n] squared norm of each sequence's ∇_θ Σ_t m_t log π_θ(t), [n] its log W) of
-        micro-batch `mb`: one forward, then one backward per sequence through its `vjp` (a
-        `lax.map`, so one gradient at a time), keeping only the squared norm."""
-        logp_of = lambda p: packed_logp(p, frozen, mb)[0]  # noqa: E731
-        logp, pullback = jax.vjp(logp_of, params)
-        mask = jnp.where(mb["loss_mask"] > 0, mb["loss_mask"], 0.0).astype(logp.dtype)
+        micro-batch `mb`: per sequence (a `lax.map`, one gradient at a time) a forward and a
+        backward of the one packed row that holds it, keeping only the squared norm. (A
+        backward of the whole micro-batch per sequence, as before, costs rows times more.)"""
+        pack_len = mb["input_ids"].shape[-1]
+        mask = jnp.where(mb["loss_mask"] > 0, mb["loss_mask"], 0.0).astype(jnp.float32)
 
         def sq_norm(i):
-            (grads,) = pullback(jnp.zeros_like(mask).at[i].set(mask[i]))
+            idx = mb["gather_idx"][i]
+            row = idx[0] // pack_len  # every token of a sequence is on one row
+
+            def logp_of(p):
+                return jnp.take(row_logp(p, frozen, mb, row), idx - row * pack_len, mode="clip")
+            logp_i, pullback = jax.vjp(logp_of, params)
+            (grads,) = pullback(mask[i].astype(logp_i.dtype))
             return sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                        for g in jax.tree.leaves(grads))
 
         sq = jax.lax.map(sq_norm, jnp.arange(mask.shape[0]))
-        prox = mb["logp_proximal"] if use_proximal and "logp_proximal" in mb else logp
+        if use_proximal and "logp_proximal" in mb:
+            prox = mb["logp_proximal"]
+        else:  # the proximal policy is the current one: one forward of the micro-batch
+            prox = packed_logp(params, frozen, mb)[0]
         return sq, sequence_log_weight(jax.lax.stop_gradient(prox), mb["logp_behaviour"],
                                        mb["loss_mask"])
 

@@ -50,8 +50,9 @@ the group's largest (the authors add 1e-8 to the sum instead), so W_i⁴ cannot 
 The learner's train step computes this (`baselined_advantages`, before the minibatch's
 gradient): it needs parameter gradients, so `loss_fn` called alone uses the advantages it is
 given. The scope is the whole minibatch's part of each group, across its micro-batches. Cost:
-one more forward and one backward per sequence per micro-batch (the backward over the packed
-micro-batch, through `jax.vjp` of its forward: only the squared norm is kept).
+per sequence, one forward and one backward of the packed row that holds it (`jax.vjp`; only
+the squared norm is kept): about rows-per-micro-batch times less than a backward of the whole
+micro-batch per sequence (scripts/bench_vcpo_baseline.py).
 """
 from __future__ import annotations
 
