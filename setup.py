@@ -34,6 +34,7 @@ setup(
         # torch is only the reference implementation in parity tests.
         "dev": [
             "pytest>=8,<10",
+            "pytest-xdist>=3.5,<4",  # the fast tier on every core (-n auto)
             "hypothesis>=6.100,<7",
             "grpcio-tools>=1.85.1,<2",  # regenerates the proto modules (gen_proto)
             "cryptography>=42,<50",  # self-signed TLS pairs in tests
