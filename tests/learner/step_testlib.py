@@ -8,6 +8,7 @@ Each call still starts from a fresh model and optimizer state.
 """
 import jax
 import numpy as np
+from flax import nnx
 
 from pipelinerl_jax import sharding
 from pipelinerl_jax.learner import batching, loop, train_step as ts
@@ -52,6 +53,19 @@ def _train(cfg, rollouts, steps=2):
         state, metrics = step_fn(state, packed.arrays)
         losses.append(float(metrics["loss"]))
     return jax.device_get(state.params), losses, packed
+
+
+def one_step(cfg, arrays):
+    """(initial params, params after one train step of `cfg` on packed `arrays`, the step's
+    metrics, the model's graphdef): the tiny model, seed 3, one device."""
+    mesh = sharding.make_mesh((1, 1, 1))
+    model = create_model(MODEL, mesh, seed=3)
+    optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
+    state = ts.init_state(model, optimizer, mesh)
+    params0 = jax.device_get(state.params)
+    step_fn = loop.make_step(cfg, model, optimizer, mesh, state)
+    state, metrics = step_fn(state, arrays)
+    return params0, jax.device_get(state.params), jax.device_get(metrics), nnx.graphdef(model)
 
 
 def param_delta(before, after):

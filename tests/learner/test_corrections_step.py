@@ -17,11 +17,9 @@ import optax
 import pytest
 from flax import nnx
 
-from pipelinerl_jax import sharding
-from pipelinerl_jax.learner import batching, loop, train_step as ts
+from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.losses import loss_from_config
-from pipelinerl_jax.models.factory import create_model
-from tests.learner.step_testlib import MODEL, _rollouts, max_diff, param_delta
+from tests.learner.step_testlib import _rollouts, max_diff, one_step, param_delta
 from tests.learner.test_staleness_clip_step import _cfg
 from tests.losses import corrections_reference as oracle
 
@@ -36,18 +34,6 @@ def _batch(minibatches, lag=LAG):
                 for r in _rollouts([20, 18, 22, 19, 12, 9, 14, 11], seed=1)]
     return batching.pack(rollouts, lag, num_seqs=len(rollouts), chunks=minibatches,
                          pack_len=32, completion_len=24).arrays
-
-
-def _step(cfg, arrays):
-    """(initial params, params after one train step, the step's metrics, graphdef)."""
-    mesh = sharding.make_mesh((1, 1, 1))
-    model = create_model(MODEL, mesh, seed=3)
-    optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
-    state = ts.init_state(model, optimizer, mesh)
-    params0 = jax.device_get(state.params)
-    step_fn = loop.make_step(cfg, model, optimizer, mesh, state)
-    state, metrics = step_fn(state, arrays)
-    return params0, jax.device_get(state.params), jax.device_get(metrics), nnx.graphdef(model)
 
 
 _CHUNK_KEYS = ("input_ids", "positions", "segment_ids", "targets", "gather_idx")
@@ -92,10 +78,10 @@ def test_train_step_matches_the_oracle(name, hp, minibatches):
     cfg = _cfg(name, minibatches, **hp)
     proximal = loss_from_config(cfg.loss).needs_proximal
     arrays = _batch(minibatches)
-    params0, _, metrics, graphdef = _step(cfg, arrays)
+    params0, _, metrics, graphdef = one_step(cfg, arrays)
     params = [params0]
     if minibatches == 2:  # the parameters the second update starts from
-        params.append(_step(_cfg(name, 1, **hp), {k: v[:1] for k, v in arrays.items()})[1])
+        params.append(one_step(_cfg(name, 1, **hp), {k: v[:1] for k, v in arrays.items()})[1])
     want = [_oracle_minibatch(name, hp, graphdef, arrays, k, params[k], params0, proximal)
             for k in range(minibatches)]
     np.testing.assert_allclose(metrics["loss"], np.mean([w[0] for w in want]), rtol=2e-4,
@@ -112,7 +98,7 @@ def test_corrections_differ_from_their_nearest_loss_on_stale_data():
                           ("token_is", "decoupled_ppo", {"behave_cap": 2.0}),
                           ("opsm", "opsm", {"delta": 0.0}), ("ppo", "ppo", {}),
                           ("a3po", "a3po", {}), ("decoupled_ppo", "decoupled_ppo", {})]:
-        before, after, _, _ = _step(_cfg(name, 1, **hp), arrays)
+        before, after, _, _ = one_step(_cfg(name, 1, **hp), arrays)
         moved[key] = param_delta(before, after)
     for a, b in [("seq_is", "token_is"), ("opsm", "ppo"), ("a3po", "decoupled_ppo"),
                  ("a3po", "ppo")]:
@@ -124,7 +110,7 @@ def test_corrections_equal_their_nearest_loss_where_theory_says():
     arrays, fresh = _batch(2), _batch(2, lag=1)  # a3po: α = 0 at lag <= 1
 
     def moved(name, batch, **hp):
-        before, after, _, _ = _step(_cfg(name, 2, **hp), batch)
+        before, after, _, _ = one_step(_cfg(name, 2, **hp), batch)
         return param_delta(before, after)
 
     pairs = [(moved("seq_is", arrays, level="token", high=1.5),
@@ -139,8 +125,8 @@ def test_vcpo_scales_the_step_of_sequence_tis_by_its_ess():
     """At minibatches=1 VCPO's gradient is sequence TIS's at the same cap; the update (AdamW's,
     weight decay included) is that update times sqrt(ESS/B) of the sequence weights."""
     arrays = _batch(1)
-    before, after, metrics, _ = _step(_cfg("vcpo", 1, cap=2.0, baseline="none"), arrays)
-    _, tis_after, _, _ = _step(_cfg("tis", 1, level="sequence", cap=2.0), arrays)
+    before, after, metrics, _ = one_step(_cfg("vcpo", 1, cap=2.0, baseline="none"), arrays)
+    _, tis_after, _, _ = one_step(_cfg("tis", 1, level="sequence", cap=2.0), arrays)
     scale = float(metrics["step_scale"])
     assert 0.05 < scale < 0.95
     vcpo_moved, tis_moved = param_delta(before, after), param_delta(before, tis_after)

@@ -22,10 +22,10 @@ from flax import nnx
 
 from pipelinerl_jax import sharding
 from pipelinerl_jax.config_checks import ConfigError
-from pipelinerl_jax.learner import batching, loop, train_step as ts
+from pipelinerl_jax.learner import batching, train_step as ts
 from pipelinerl_jax.losses import get_loss, loss_from_config
 from pipelinerl_jax.models.factory import create_model
-from tests.learner.step_testlib import MODEL, _rollouts, max_abs, max_diff, param_delta
+from tests.learner.step_testlib import MODEL, _rollouts, max_abs, max_diff, one_step, param_delta
 from tests.learner.test_staleness_clip_step import _cfg
 from tests.losses import corrections_reference as oracle
 
@@ -79,17 +79,6 @@ def _cfg_of(baseline, minibatches, micro_batches=1, **hp):
     cfg = _cfg("vcpo", minibatches, baseline=baseline, **hp)
     cfg.learner.micro_batches = micro_batches
     return cfg
-
-
-def _step(cfg, arrays):
-    """(initial params, params after one train step, the step's metrics, graphdef)."""
-    mesh, model = _model()
-    optimizer, _ = ts.make_optimizer(cfg.learner.optimizer)
-    state = ts.init_state(model, optimizer, mesh)
-    params0 = jax.device_get(state.params)
-    step_fn = loop.make_step(cfg, model, optimizer, mesh, state)
-    state, metrics = step_fn(state, arrays)
-    return params0, jax.device_get(state.params), jax.device_get(metrics), nnx.graphdef(model)
 
 
 def _pack(rollouts, chunks):
@@ -146,13 +135,13 @@ CASES = [("opob", 1, 1, {}), ("opob", 2, 1, {}), ("opob", 1, 2, {}),
 def test_train_step_matches_the_oracle(form, minibatches, micro_batches, hp):
     rollouts = _rollouts_for()
     arrays = _pack(rollouts, minibatches * micro_batches)
-    params0, _, metrics, graphdef = _step(_cfg_of(form, minibatches, micro_batches, **hp),
+    params0, _, metrics, graphdef = one_step(_cfg_of(form, minibatches, micro_batches, **hp),
                                           arrays)
     per = len(rollouts) // minibatches
     params = [params0]
     if minibatches == 2:  # the parameters the second update starts from
         first = _pack(rollouts[:per], micro_batches)
-        params.append(_step(_cfg_of(form, 1, micro_batches, **hp), first)[1])
+        params.append(one_step(_cfg_of(form, 1, micro_batches, **hp), first)[1])
     want = [_oracle_minibatch(form, hp, graphdef, rollouts[k * per:(k + 1) * per], params[k],
                               params0, minibatches) for k in range(minibatches)]
     baselines = np.concatenate([w[2] for w in want])
@@ -172,7 +161,7 @@ def test_baseline_changes_the_update_where_it_should():
     arrays = _pack(_rollouts_for(), 1)
     moved = {}
     for form in ("none", "opob", "opob_eq"):
-        before, after, _, _ = _step(_cfg_of(form, 1, cap=2.0), arrays)
+        before, after, _, _ = one_step(_cfg_of(form, 1, cap=2.0), arrays)
         moved[form] = param_delta(before, after)
     step = max_abs(moved["none"])
     assert max_diff(moved["opob"], moved["none"]) > 0.05 * step
@@ -191,8 +180,8 @@ def test_baseline_is_the_plain_mean_with_equal_weights_and_norms():
         rollouts[4 * g:4 * g + 4] = [dataclasses.replace(r, advantage=r.advantage - mean)
                                      for r in members]
     arrays = _pack(rollouts, 1)
-    before, none, _, _ = _step(_cfg_of("none", 1), arrays)
-    _, opob, metrics, _ = _step(_cfg_of("opob", 1), arrays)
+    before, none, _, _ = one_step(_cfg_of("none", 1), arrays)
+    _, opob, metrics, _ = one_step(_cfg_of("opob", 1), arrays)
     assert metrics["vcpo_baseline_abs"] < 1e-6
     assert max_diff(param_delta(before, opob), param_delta(before, none)) < 1e-4 * max_abs(
         param_delta(before, none))
