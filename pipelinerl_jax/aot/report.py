@@ -31,9 +31,10 @@ def run(cfg, topology: str, sampler_topology: Optional[str] = None, *,
         jobs: int = 1, fast: bool = False,
         log=functools.partial(print, flush=True)) -> dict:
     """The final JSON object of a compile check (module docstring); raises `ConfigError` /
-    `TopologyError` before compiling anything. `fast`: the quick check, every program but the decode
-    at the compiler's least optimization effort (`check.QUICK_EFFORT`), verdicts with
-    `check.QUICK_MARGIN` of the chip kept free; `plan` in the JSON and per program says."""
+    `TopologyError` before compiling anything. `fast`: the quick check, every program but
+    the decode at the compiler's least optimization effort (`check.QUICK_EFFORT`), verdicts
+    with `check.QUICK_MARGIN` of the chip kept free; `plan` in the JSON and per program
+    says."""
     bad = sorted(set(roles) - set(ROLES))
     if bad or not roles:
         raise chips_lib.TopologyError(f"--roles: {bad or 'none'}; valid: {list(ROLES)}")

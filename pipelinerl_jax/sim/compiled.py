@@ -34,10 +34,15 @@ def read_costs(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             lines = [ln for ln in f.read().splitlines() if ln.strip()]
-        costs = json.loads(lines[-1])["estimates"]["sim_costs"]
+        check = json.loads(lines[-1])
+        costs = check["estimates"]["sim_costs"]
     except (OSError, IndexError, KeyError, ValueError) as e:
         raise ConfigError(KEY, f"cannot read a compile check's JSON from {path!r}: "
                                f"{type(e).__name__}: {e}") from None
+    if check.get("plan") == "quick":  # its train step's bytes are another plan's (docs/tpu.md)
+        raise ConfigError(KEY, f"{path} is a quick compile check (--fast): its train-step "
+                               f"cost is rough (11-48% under the full plan's on the 7B "
+                               f"recipes); give the simulator a full check (without --fast)")
     lengths = {d["cache_len"] for d in costs.get("decode", [])}
     if len(lengths) < 2 or "train_per_token_s" not in costs:
         raise ConfigError(KEY, f"{path}: needs the decode step at two attention lengths and "

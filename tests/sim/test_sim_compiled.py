@@ -73,3 +73,8 @@ def test_a_json_without_two_decode_lengths_or_a_train_step_names_the_key(tmp_pat
         compiled.read_costs(_write(tmp_path, one))
     with pytest.raises(ConfigError, match="costs_from"):
         compiled.read_costs(str(tmp_path / "missing.json"))
+    # a quick check (`--fast`) has every field, but its train step's cost is another plan's
+    quick = dict(_costs(model), plan="quick")
+    with pytest.raises(ConfigError, match="costs_from.*quick compile check"):
+        compiled.read_costs(_write(tmp_path, quick))
+    assert compiled.read_costs(_write(tmp_path, dict(_costs(model), plan="full")))
