@@ -9,6 +9,7 @@
 #   LAGS=0,4,8,16,32 ONLY=main bash scripts/staleness_study.sh ROOT 4 13   # the goal's lags
 #   GRIDS=protocol bash scripts/staleness_study.sh ROOT 0 31   # the pre-registered grids
 #   GRIDS=protocol ONLY=mb4 bash scripts/staleness_study.sh ROOT 0 31   # one of them
+#   (in the background: nice -n 19 and scripts/background_nice.sh, which reaches each run)
 #
 # Grids, per seed: the full grid (configs/ablate/staleness.py: 10 loss arms x 7 lags), its
 # learning-rate-5e-5 subgrid (:lowlr, 7 arms x 7 lags), the tinker KL repro (lag 3, in the
