@@ -358,11 +358,15 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
     scales_step = bool(getattr(loss_fn, "scales_step", False))
     baseline = getattr(loss_fn, "baseline", "none")
 
+    def merged(params, frozen):
+        """The model of `params` (with the frozen LoRA base, or None)."""
+        return nnx.merge(graphdef, params) if frozen is None else \
+            nnx.merge(graphdef, frozen, params)
+
     def packed_logp(params, frozen, mb):
         """Log-probs and entropies of the packed rows, gathered to `[N, C]` sequence rows
         (`frozen`: the LoRA base, or None)."""
-        model = nnx.merge(graphdef, params) if frozen is None else \
-            nnx.merge(graphdef, frozen, params)
+        model = merged(params, frozen)
         ids = jax.lax.with_sharding_constraint(mb["input_ids"], row_sharding)
         logits = model(ids, positions=mb["positions"], segment_ids=mb["segment_ids"])
         logp, entropy = logp_and_entropy(logits, mb["targets"], temperature)
@@ -389,8 +393,7 @@ def make_train_step(graphdef, optimizer, loss_fn: Callable, *, mesh: Mesh,
         """Log-probs of packed row `row` of `mb` alone, `[pack_len]` (no row sharding: one
         row). Rows are independent (attention stays inside a segment), so a sequence's
         log-probs, and their gradient, are the same as in the whole packed micro-batch."""
-        model = nnx.merge(graphdef, params) if frozen is None else \
-            nnx.merge(graphdef, frozen, params)
+        model = merged(params, frozen)
         take = lambda k: jax.lax.dynamic_slice_in_dim(mb[k], row, 1)  # noqa: E731
         logits = model(take("input_ids"), positions=take("positions"),
                        segment_ids=take("segment_ids"))
