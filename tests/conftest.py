@@ -18,7 +18,11 @@ _flags = re.sub(rf"{_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f"{_FLAG}={DEVICES}"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# Compiled programs persist across test processes (and CI steps): see compile_cache.py.
+# Compiled programs persist across test processes (and CI steps): see compile_cache.py. The
+# suite compiles hundreds of small programs (0.02-0.5 s each) that a run's default threshold
+# (0.5 s) leaves out; cached, the fast tier took 2:55 instead of 3:31 (warm, `-n 2`). Set in
+# the environment, so the processes the slow tests start read it too.
+os.environ.setdefault("PIPELINERL_JAX_CACHE_MIN_SECS", "0.02")
 from pipelinerl_jax import compile_cache  # noqa: E402
 
 compile_cache.enable()

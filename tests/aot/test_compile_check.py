@@ -107,6 +107,8 @@ def test_the_quick_check_keeps_the_programs_buffers_and_flops_of_the_full_one(v5
     assert quick["programs"]["learner/train_step"]["plan"] == "quick"
 
 
+@pytest.mark.slow  # a real-size (0.5B) compile, 24 s: the fast tier has the tiny model's
+# (tests/rollout/test_engine_programs_tpu.py)
 def test_qwen_05b_decode_runs_the_pallas_kernel_per_shard_of_a_2way_tensor_mesh(v5e_2x2):
     devices, _ = v5e_2x2
     mc = load_config(os.path.join(ROOT, "configs", "shapes", "qwen2.5-0.5b"))
