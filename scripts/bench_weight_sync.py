@@ -4,6 +4,7 @@ live in a JaxEngine (full vs LoRA, with the host copies a full version takes).
     python scripts/bench_weight_sync.py [--steps 6] [--batch 4] [--seq 128] [--small]
                                         [--model 100m|qwen2.5-0.5b]
     python scripts/bench_weight_sync.py --live [--model qwen2.5-0.5b] [--versions 3]
+                                        [--payload grpc|socket|both]
 
 A ~100M-parameter Llama (`config_100m`) trains with a jitted, donating step (forward +
 backward + SGD); after every step its params are published as the learner does, through a
@@ -22,7 +23,11 @@ the learner's device to the engine's, each measured: the on-device snapshot and 
 device-to-host fetch (pointer comparison: on CPU the fetch is a view), frame assembly (bytes
 the publisher assembled / payload, whatever the number of subscribers), the subscriber's
 buffer, a host cast (bytes whose dtype differs from the engine's) and the host-to-device
-transfer (pointer comparison). Prints one JSON line.
+transfer (pointer comparison). Prints one JSON line. `--payload` picks the publisher's payload
+path ('grpc', the default: chunk frames on the stream; 'socket': a ticketed TCP
+connection, no frame assembly); 'both' runs the two in turn, each in its own process (one
+process holding both ran out of memory on a 23 GB machine), and reports each under its name,
+with `full_host_copies` counted for each.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import argparse
 import hashlib
 import json
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -115,7 +122,7 @@ def learner_side_copies(cfg) -> dict:
             "device_to_host": int(_pointer(host_leaf) != _pointer(snap_leaf))}
 
 
-def publish_to_live(cfg, lora, versions: int) -> dict:
+def publish_to_live(cfg, lora, versions: int, payload_path: str = "grpc") -> dict:
     """Median seconds from `publish` to the engine serving the version; full-copy counts."""
     learner = create_model(cfg, lora=lora)
     flat = flat_params(learner)
@@ -126,7 +133,7 @@ def publish_to_live(cfg, lora, versions: int) -> dict:
     engine = JaxEngine(create_model(cfg), dict(max_slots=1, max_seq_len=64,
                                                         dtype="bfloat16"),
                        version=0, serves=describes)
-    pub = WeightPublisher("127.0.0.1:0")
+    pub = WeightPublisher("127.0.0.1:0", payload=payload_path)
     received = {}
 
     def on_weights(message):
@@ -149,7 +156,8 @@ def publish_to_live(cfg, lora, versions: int) -> dict:
         name = max(received["tensors"], key=lambda k: received["tensors"][k].nbytes)
         copies = {
             "frame_assembly": pub.latest_assembled_bytes / nbytes,
-            "subscriber_buffer": 1,  # every chunk lands in the version buffer once
+            # every chunk (or the socket payload's recv_into) lands in the version buffer once
+            "subscriber_buffer": 1,
             "host_cast": sum(a.nbytes for a in received["tensors"].values()
                              if a.dtype != np.dtype(engine.dtype)) / nbytes,
             "host_to_device": int(_pointer(live[name]) != _pointer(received["tensors"][name])),
@@ -166,11 +174,24 @@ def publish_to_live(cfg, lora, versions: int) -> dict:
 def live(a) -> dict:
     cfg = (tiny_config if a.small else MODELS[a.model])(dtype=jnp.bfloat16,
                                                         param_dtype=jnp.bfloat16)
-    full = publish_to_live(cfg, None, a.versions)
-    lora = publish_to_live(cfg, LoRASpec(16, 32.0), a.versions)
-    copies = {**learner_side_copies(cfg), **full["copies"]}
-    return {"params_m": round(cfg.num_params / 1e6, 2), "devices": jax.devices()[0].platform,
-            "full_host_copies": round(sum(copies.values()), 3), "full_copies": copies,
+    out = {"params_m": round(cfg.num_params / 1e6, 2), "devices": jax.devices()[0].platform}
+    if a.payload == "both":  # each path in its own process, one after the other (memory)
+        for payload in ("grpc", "socket"):
+            argv = [sys.executable, __file__, "--live", f"--model={a.model}",
+                    f"--versions={a.versions}", f"--payload={payload}"] + \
+                (["--small"] if a.small else [])
+            done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
+            arm = json.loads(done.stdout.strip().splitlines()[-1])
+            out[payload] = {k: v for k, v in arm.items() if k not in out}
+        return out
+    return {**out, **live_arm(cfg, a.versions, a.payload, learner_side_copies(cfg))}
+
+
+def live_arm(cfg, versions: int, payload: str, learner_copies: dict) -> dict:
+    full = publish_to_live(cfg, None, versions, payload)
+    lora = publish_to_live(cfg, LoRASpec(16, 32.0), versions, payload)
+    copies = {**learner_copies, **full["copies"]}
+    return {"full_host_copies": round(sum(copies.values()), 3), "full_copies": copies,
             "full_publish_to_live_s": full["publish_to_live_s"],
             "lora_publish_to_live_s": lora["publish_to_live_s"],
             "lora_to_full_publish_to_live_ratio": round(
@@ -191,6 +212,8 @@ def main():
     p.add_argument("--live", action="store_true",
                    help="publish -> live in a JaxEngine, full vs LoRA rank 16")
     p.add_argument("--versions", type=int, default=3, help="--live: versions per arm")
+    p.add_argument("--payload", default="grpc", choices=("grpc", "socket", "both"),
+                   help="--live: the weight publisher's payload path (both: side by side)")
     a = p.parse_args()
     if a.live:
         print(json.dumps(live(a)))

@@ -18,6 +18,7 @@ from pipelinerl_jax.config_checks import ConfigError, check_keys, get, number, o
 from pipelinerl_jax.transport.codec import Limits
 from pipelinerl_jax.transport.queue_core import STALE_POLICIES
 from pipelinerl_jax.transport.security import TLSConfig, check_bind, load_token
+from pipelinerl_jax.transport.weights import PAYLOADS
 
 _MIB = 1 << 20
 
@@ -47,6 +48,9 @@ def transport_config() -> ConfigDict:
     # Weight sync
     c.weight_chunk_bytes = 4 * _MIB
     c.weight_checksum = True         # crc32 per chunk, verified before on_weights
+    # 'grpc': the payload as chunk frames on the stream; 'socket': on a ticketed plain TCP
+    # connection beside it (no frame assembly, no gRPC copies; plaintext: not with TLS)
+    c.weight_payload = "grpc"
     # Security
     c.auth_token = config_dict.placeholder(str)
     c.auth_token_file = config_dict.placeholder(str)
@@ -103,6 +107,10 @@ def validate_transport_config(cfg, prefix: str = "transport") -> None:
     for name in ("weight_checksum", "allow_insecure_remote"):
         if not isinstance(v[name], bool):
             raise ConfigError(k(name), f"must be True or False, got {v[name]!r}")
+    _checked(prefix, one_of, cfg, "weight_payload", PAYLOADS)
+    if v["weight_payload"] == "socket" and (v["tls_cert_file"] or v["tls_ca_file"]):
+        raise ConfigError(k("weight_payload"), "'socket' sends the weights in plaintext and "
+                          "cannot be combined with TLS (tls_*): use 'grpc'")
     if v["auth_token"] and v["auth_token_file"]:
         raise ConfigError(k("auth_token"), "set auth_token or auth_token_file, not both")
     for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
@@ -173,4 +181,4 @@ def publisher_kwargs(cfg) -> dict:
     """Keyword arguments of WeightPublisher (after its bind address) from the section."""
     return {"token": load_token(cfg.auth_token, cfg.auth_token_file),
             "tls": tls_from_config(cfg, server=True), "chunk_bytes": cfg.weight_chunk_bytes,
-            "checksum": cfg.weight_checksum}
+            "checksum": cfg.weight_checksum, "payload": cfg.get("weight_payload", "grpc")}

@@ -44,14 +44,30 @@ the two more a protobuf message would make) and kept for every other subscriber,
 crc32, until a newer version replaces it.
 The subscriber copies each chunk once into a version buffer that it recycles once the
 previous callback's arrays are no longer referenced (fresh pages cost more than the copy).
+
+`WeightPublisher(payload="socket")` takes the payload off gRPC (no frame assembly, none of
+gRPC's own copies): the stream carries the header, with the port of a plain TCP listener the
+publisher runs on its bind host and a one-time random ticket for this version on this
+stream, then the commit, carrying the crc32 of every `chunk_bytes` slice (the header's
+`num_chunks` counts those slices; no chunk frame is sent). The subscriber, after every header
+check and once the buffer is allocated, connects to that port on the host it dialled (never
+a host the stream names), sends the ticket and `recv_into`s exactly `total_bytes` into the
+version buffer; the listener sends them with `sendmsg` from the tensors' own memory (plus
+the alignment gaps' zeros). A short read, a refused ticket, a connection error or a crc32
+mismatch discards the version like a corrupt stream. A ticket is valid once, until its
+stream moves on (or `payload_timeout`); the stream sends the commit only after the payload
+went out. The raw connection is plaintext: refused with TLS.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import secrets
+import socket
 import sys
 import threading
+import time
 import uuid
 import zlib
 from concurrent import futures
@@ -76,6 +92,9 @@ SUBSCRIBE = f"/{SERVICE}/Subscribe"
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_PATH_CHARS = 4096  # a published directory's path (PATH_MAX on Linux)
 _ALIGN = 64
+PAYLOADS = ("grpc", "socket")
+TICKET_BYTES = 32
+_IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 
 
 def path_problem(path) -> Optional[str]:
@@ -152,7 +171,9 @@ class _Version:
         self.version, self.nbytes, self.chunk_bytes = version, offset, chunk_bytes
         self.num_chunks = max(1, -(-offset // chunk_bytes))
         header.total_bytes, header.num_chunks = offset, self.num_chunks
+        self.header_pb = header
         self.header = pb.WeightMessage(header=header).SerializeToString()
+        self._socket_commit: Optional[bytes] = None
         self.commit = pb.WeightMessage(commit=pb.WeightCommit(
             version=version, total_bytes=offset, num_chunks=self.num_chunks)).SerializeToString()
         self._crcs = None if crc_pool is None else [
@@ -203,6 +224,53 @@ class _Version:
             pieces.append(bytes(end - pos))
         return pieces
 
+    def payload_pieces(self) -> list:
+        """The whole payload as views of the tensors plus the alignment gaps' zeros."""
+        pieces, pos = [], 0
+        for seg_off, seg in self.segments:
+            if seg_off > pos:
+                pieces.append(bytes(seg_off - pos))
+            pieces.append(seg)
+            pos = seg_off + seg.size
+        if pos < self.nbytes:
+            pieces.append(bytes(self.nbytes - pos))
+        return pieces
+
+    def send_payload(self, conn: socket.socket) -> None:
+        """Sends the payload on `conn` from the tensors' own memory (sendmsg over the
+        views: nothing is joined). Raises OSError if the connection fails."""
+        views = [memoryview(p).cast("B") for p in self.payload_pieces()]
+        i = 0
+        while i < len(views):
+            sent = conn.sendmsg(views[i:i + _IOV_MAX])
+            while sent and i < len(views):
+                n = views[i].nbytes
+                if sent >= n:
+                    sent -= n
+                    i += 1
+                else:
+                    views[i], sent = views[i][sent:], 0
+
+    def socket_header(self, port: int, ticket: bytes) -> bytes:
+        """The header frame for one stream of a socket payload."""
+        header = pb.WeightHeader()
+        header.CopyFrom(self.header_pb)
+        header.payload_port, header.payload_ticket = port, ticket
+        header.payload_chunk_bytes = self.chunk_bytes
+        return pb.WeightMessage(header=header).SerializeToString()
+
+    def socket_commit(self) -> bytes:
+        """The commit frame of a socket payload: it carries every chunk's crc32."""
+        if self._socket_commit is None:
+            crcs = []
+            if self._crcs is not None:
+                crcs = [self._crc(i) if f.cancelled() else f.result()
+                        for i, f in enumerate(self._crcs)]
+            self._socket_commit = pb.WeightMessage(commit=pb.WeightCommit(
+                version=self.version, total_bytes=self.nbytes, num_chunks=self.num_chunks,
+                crc32s=crcs)).SerializeToString()
+        return self._socket_commit
+
     def _crc(self, index: int) -> int:
         crc = 0
         for piece in self._pieces(index):
@@ -224,15 +292,38 @@ class _Version:
         return b"".join([wire.len_field(2, len(head) + length), head, *pieces])
 
 
+class _Ticket:
+    """One stream's claim on one version's socket payload; `done` is set once it was sent
+    (`ok`) or failed."""
+
+    def __init__(self, version: _Version):
+        self.version, self.done, self.ok = version, threading.Event(), False
+
+
 class WeightPublisher:
-    """Serves the newest published version to every subscriber (starts on construction)."""
+    """Serves the newest published version to every subscriber (starts on construction).
+
+    `payload="socket"` sends each version's payload off gRPC: the stream carries the header
+    (with a port and a one-time ticket) and the commit (with the crc32s); the subscriber reads
+    the bytes from a plain TCP listener beside the server, which sends them straight from the
+    tensors' memory (no frame assembly). Plaintext, so refused with `tls`. `payload_timeout`
+    bounds how long a payload connection may wait for its ticket or stall, and how long a
+    stream waits for its subscriber to fetch the payload.
+    """
 
     def __init__(self, bind_address: str = f"{DEFAULT_HOST}:0", token: Optional[str] = None,
                  tls: Optional[TLSConfig] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  checksum: bool = True, max_message_bytes: Optional[int] = None,
-                 max_workers: int = 64):
+                 max_workers: int = 64, payload: str = "grpc",
+                 payload_timeout: float = 60.0):
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be >= 1024, got {chunk_bytes}")
+        if payload not in PAYLOADS:
+            raise ValueError(f"payload must be one of {PAYLOADS}, got {payload!r}")
+        if payload == "socket" and tls is not None:
+            raise ValueError("payload='socket' sends the weights on a plaintext TCP connection "
+                             "and cannot be combined with TLS: use payload='grpc'")
+        self.payload, self.payload_timeout = payload, payload_timeout
         self.chunk_bytes = chunk_bytes
         self._crc_pool = futures.ThreadPoolExecutor(1) if checksum else None
         self.max_message_bytes = max_message_bytes or chunk_bytes + (1 << 20)
@@ -247,6 +338,25 @@ class WeightPublisher:
             bind_address, max_message_bytes=self.max_message_bytes, token=token, tls=tls,
             max_workers=max_workers, handlers=[handler])
         self.address = host_port(bind_address, self.port)
+        # Socket payloads (observability: payloads sent, connections refused or failed).
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._conns: set = set()
+        self._conn_slots = threading.BoundedSemaphore(max_workers)
+        self.payloads_sent = self.payload_refused = self.payload_errors = 0
+        self._listener = self._accept_thread = None
+        if payload == "socket":
+            host = bind_address.rsplit(":", 1)[0].strip("[]") if ":" in bind_address \
+                else bind_address
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listener = socket.socket(family, socket.SOCK_STREAM)
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((host, 0))
+            self._listener.listen(64)
+            self._listener.settimeout(0.2)  # the accept loop checks for stop()
+            self.payload_port = self._listener.getsockname()[1]
+            self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                                   name=f"payload-{self.publisher_id}")
+            self._accept_thread.start()
         self._server.start()
 
     @property
@@ -307,14 +417,112 @@ class WeightPublisher:
                         break
                     self._cv.wait(0.5)
             # Sent whole even if a newer version is published meanwhile (no starvation).
-            yield from frames.frames()
+            if self._listener is not None and frames.nbytes:
+                if not (yield from self._socket_frames(frames, context)):
+                    return  # the payload failed: end the stream, the subscriber reconnects
+            else:
+                yield from frames.frames()
             have_version, have_publisher = frames.version, self.publisher_id
+
+    def _socket_frames(self, frames: _Version, context):
+        """Header with a fresh ticket; the commit once the payload connection sent it.
+        Returns whether it did; the ticket expires either way."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        claim = _Ticket(frames)
+        with self._cv:
+            self._tickets[ticket] = claim
+        try:
+            yield frames.socket_header(self.payload_port, ticket)
+            deadline = _now() + self.payload_timeout
+            while not claim.done.wait(0.2):
+                if self._stopped or not context.is_active():
+                    return False
+                if _now() > deadline:
+                    log.warning("weight publisher: version %d: no payload fetch within %.0f s",
+                                frames.version, self.payload_timeout)
+                    return False
+            if not claim.ok:
+                return False
+            yield frames.socket_commit()
+            return True
+        finally:
+            with self._cv:
+                self._tickets.pop(ticket, None)
+
+    def _accept_loop(self) -> None:
+        """The payload listener: one short-lived thread per connection (at most
+        max_workers); nothing a client does ends it."""
+        while not self._stopped:
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError as e:
+                if self._stopped:
+                    return
+                self.payload_errors += 1
+                log.warning("weight publisher: payload accept failed: %r", e)
+                time.sleep(0.05)
+                continue
+            if not self._conn_slots.acquire(blocking=False):
+                self.payload_refused += 1
+                log.warning("weight publisher: payload connection refused: all %s busy",
+                            "slots")
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve_payload, args=(conn,), daemon=True,
+                                 name=f"payload-conn-{self.publisher_id}").start()
+            except Exception as e:  # noqa: BLE001 - e.g. no more threads
+                self._conn_slots.release()
+                self.payload_errors += 1
+                log.warning("weight publisher: cannot serve a payload connection: %r", e)
+                conn.close()
+
+    def _serve_payload(self, conn: socket.socket) -> None:
+        claim = None
+        try:
+            with self._cv:
+                self._conns.add(conn)
+            conn.settimeout(self.payload_timeout)
+            ticket = _recv_exact(conn, TICKET_BYTES)
+            with self._cv:
+                claim = None if ticket is None else self._tickets.pop(ticket, None)
+            if claim is None:
+                self.payload_refused += 1
+                log.warning("weight publisher: payload connection with an unknown ticket")
+                return
+            claim.version.send_payload(conn)
+            claim.ok = True
+            self.payloads_sent += 1
+        except Exception as e:  # noqa: BLE001 - a hostile or broken connection: count, go on
+            self.payload_errors += 1
+            log.warning("weight publisher: payload connection failed: %r", e)
+        finally:
+            if claim is not None:
+                claim.done.set()
+            with self._cv:
+                self._conns.discard(conn)
+            try:
+                conn.close()
+            finally:
+                self._conn_slots.release()
 
     def stop(self, grace: float = 0.5) -> None:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
         self._server.stop(grace).wait()
+        if self._listener is not None:
+            self._accept_thread.join(5)
+            self._listener.close()
+            with self._cv:
+                conns = list(self._conns)
+            for conn in conns:  # wakes their threads (they close it themselves)
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         if self._crc_pool is not None:
             self._crc_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -327,6 +535,34 @@ class WeightPublisher:
 
 class _CorruptVersion(Exception):
     pass
+
+
+def _open_payload(host: str, port: int, ticket: bytes, timeout: float) -> socket.socket:
+    """A connection to a publisher's payload listener that has sent `ticket`."""
+    conn = socket.create_connection((host, port), timeout=timeout)
+    try:
+        conn.sendall(ticket)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> Optional[bytes]:
+    """Exactly `n` bytes from `conn` (None if it closes first); the socket's timeout applies
+    to each read."""
+    buf = bytearray(n)
+    view, pos = memoryview(buf), 0
+    while pos < n:
+        got = conn.recv_into(view[pos:], n - pos)
+        if not got:
+            return None
+        pos += got
+    return bytes(buf)
 
 
 class _ChunkView(NamedTuple):
@@ -481,6 +717,8 @@ class _Assembler:
         except MemoryError:
             raise _CorruptVersion(f"total_bytes {total}: cannot allocate the buffer") from None
         self.next_index = self.next_offset = 0
+        self.socket = False  # the payload came on a socket (fetch), its crc32s with the commit
+        self.conn: Optional[socket.socket] = None
 
     @staticmethod
     def _check_specs(header: pb.WeightHeader, expected: Optional[Mapping[str, tuple]]):
@@ -512,6 +750,36 @@ class _Assembler:
             raise _CorruptVersion(f"tensors: missing {missing} the subscriber expects")
         return specs
 
+    def fetch(self, host: str, timeout: float) -> None:
+        """Reads a socket payload (the header's `payload_port`) straight into the buffer:
+        connects to `host`, sends the ticket, then `recv_into` until `total_bytes` arrived.
+        A short read or any connection error is a _CorruptVersion (via _StreamReader.feed)."""
+        h = self.header
+        total, chunk = h.total_bytes, h.payload_chunk_bytes
+        if h.HasField("path") or not total:
+            raise _CorruptVersion("a socket payload on a version without bytes")
+        if len(h.payload_ticket) != TICKET_BYTES or not 0 < h.payload_port < 65536:
+            raise _CorruptVersion("socket payload: malformed port or ticket")
+        if chunk < 1 or h.num_chunks != -(-total // chunk):
+            raise _CorruptVersion(f"socket payload: {h.num_chunks} chunks of {chunk} bytes "
+                                  f"for total_bytes {total}")
+        view = memoryview(self.buffer)
+        with _open_payload(host, h.payload_port, h.payload_ticket, timeout) as conn:
+            self.conn = conn  # close() shuts it down rather than wait out the timeout
+            while self.next_offset < total:
+                got = conn.recv_into(view[self.next_offset:],
+                                     min(total - self.next_offset, 1 << 24))
+                if not got:
+                    raise _CorruptVersion(f"socket payload closed after {self.next_offset}/"
+                                          f"{total} bytes")
+                self.next_offset += got
+        if self.crc_pool is not None and h.has_crc32:
+            for i in range(h.num_chunks):  # expected values come with the commit
+                self.crcs.append((i, None, self.crc_pool.submit(
+                    zlib.crc32, self.buffer[i * chunk:(i + 1) * chunk])))
+        self.next_index = h.num_chunks
+        self.socket = True
+
     def add(self, chunk) -> None:
         """`chunk`: a pb.WeightChunk or _ChunkView (same field names)."""
         h = self.header
@@ -541,7 +809,13 @@ class _Assembler:
             raise _CorruptVersion(f"version {h.version} incomplete: {self.next_index}/"
                                   f"{h.num_chunks} chunks, {self.next_offset}/"
                                   f"{h.total_bytes} bytes")
-        for index, expected, crc in self.crcs:
+        crcs = self.crcs
+        if self.socket and self.crc_pool is not None and h.has_crc32:
+            if len(commit.crc32s) != h.num_chunks:
+                raise _CorruptVersion(f"commit carries {len(commit.crc32s)} crc32s for "
+                                      f"{h.num_chunks} chunks")
+            crcs = [(i, expected, crc) for (i, _, crc), expected in zip(crcs, commit.crc32s)]
+        for index, expected, crc in crcs:
             if crc.result() != expected:
                 raise _CorruptVersion(f"chunk {index}: crc32 mismatch")
         if h.HasField("path"):
@@ -558,7 +832,9 @@ class _StreamReader:
     def __init__(self, max_bytes: int, pool: _BufferPool,
                  crc_pool: Optional[futures.Executor] = None,
                  expected_shapes: Optional[Mapping[str, tuple]] = None,
-                 accepts: Optional[WeightVersion] = None):
+                 accepts: Optional[WeightVersion] = None, payload_host: str = DEFAULT_HOST,
+                 payload_timeout: float = 60.0):
+        self.payload_host, self.payload_timeout = payload_host, payload_timeout
         self.max_bytes, self.pool, self.crc_pool = max_bytes, pool, crc_pool
         self.expected_shapes, self.accepts = expected_shapes, accepts
         self.assembler: Optional[_Assembler] = None
@@ -582,6 +858,9 @@ class _StreamReader:
             self.assembler = _Assembler(msg, self.max_bytes, self.pool, self.crc_pool,
                                         self.expected_shapes, self.accepts)
             self.receiving = (msg.version, 0, msg.total_bytes)
+            if msg.payload_port:  # the bytes come on a socket, not as chunk frames
+                self.assembler.fetch(self.payload_host, self.payload_timeout)
+                self.receiving = (msg.version, msg.total_bytes, msg.total_bytes)
         elif kind == "chunk" and self.assembler is not None:
             self.assembler.add(msg)
             h = self.assembler.header
@@ -617,8 +896,12 @@ class WeightSubscriber:
                  max_version_bytes: int = 1 << 40, retry: RetryPolicy = RetryPolicy(),
                  verify_crc: bool = True, subscriber_id: Optional[str] = None,
                  expected_shapes: Optional[Mapping[str, tuple]] = None,
-                 accepts: Optional[WeightVersion] = None):
+                 accepts: Optional[WeightVersion] = None, payload_timeout: float = 60.0):
         self.address = address
+        # A socket payload is fetched from the host this subscriber dials (never a host the
+        # stream names); `payload_timeout` bounds each connect and read.
+        self._payload_host = address.rsplit(":", 1)[0].strip("[]")
+        self._payload_timeout = payload_timeout
         self._accepts = None if accepts is None else accepts.description()
         self._on_weights = on_weights
         self._channel = make_channel(address, max_message_bytes=max_message_bytes, tls=tls)
@@ -693,7 +976,8 @@ class WeightSubscriber:
         attempt = 0
         while not self._closed:
             reader = self._reader = _StreamReader(self._max_bytes, self._pool, self._crc_pool,
-                                                  self._expected, self._accepts)
+                                                  self._expected, self._accepts,
+                                                  self._payload_host, self._payload_timeout)
             try:
                 self._call = self._subscribe(
                     pb.SubscribeRequest(have_version=self._latest,
@@ -745,6 +1029,13 @@ class WeightSubscriber:
         call = self._call
         if call is not None:
             call.cancel()
+        reader = self._reader
+        conn = getattr(reader and reader.assembler, "conn", None)
+        if conn is not None:  # a socket payload being read
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._thread.join(timeout)
         self._channel.close()
         if self._crc_pool is not None:

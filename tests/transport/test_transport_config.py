@@ -28,6 +28,7 @@ def test_defaults_are_valid_and_loopback():
     ("auth_token_file", "/no/such/token", "transport.auth_token_file"),
     ("host", "0.0.0.0", "transport.host: '0.0.0.0' is not a loopback"),
     ("weight_checksum", "yes", "transport.weight_checksum"),
+    ("weight_payload", "shm", "transport.weight_payload"),
 ])
 def test_bad_values_name_the_key(key, value, match):
     cfg = transport_config().to_dict()  # a plain dict: ConfigDict would refuse wrong types
@@ -53,14 +54,25 @@ def test_unknown_key_and_conflicts(tmp_path):
     assert client_kwargs(cfg)["token"] == "t0k"
 
 
-def test_weight_sync_from_config():
+def test_socket_payload_with_tls_names_the_key(tmp_path):
+    from transport_testlib import self_signed_pair
+    cert, key = self_signed_pair(str(tmp_path))
+    cfg = transport_config()
+    cfg.tls_cert_file, cfg.tls_key_file, cfg.weight_payload = cert, key, "socket"
+    with pytest.raises(ConfigError, match="transport.weight_payload: 'socket' .* TLS"):
+        validate_transport_config(cfg, "transport")
+
+
+@pytest.mark.parametrize("payload", ["grpc", "socket"])
+def test_weight_sync_from_config(payload):
     from pipelinerl_jax.transport.transport_section import publisher_kwargs, subscriber_kwargs
     from tests.transport.flat_weights import FlatPublisher as WeightPublisher, FlatSubscriber as WeightSubscriber
     cfg = transport_config()
-    cfg.weights_port, cfg.weight_chunk_bytes = 0, 4096
+    cfg.weights_port, cfg.weight_chunk_bytes, cfg.weight_payload = 0, 4096, payload
     validate_transport_config(cfg, "transport")
     got = []
     with WeightPublisher(f"{cfg.host}:{cfg.weights_port}", **publisher_kwargs(cfg)) as pub:
+        assert pub.payload == payload
         sub = WeightSubscriber(pub.address, lambda v, p, pv: got.append(v),
                                **subscriber_kwargs(cfg))
         import numpy as np
