@@ -54,7 +54,6 @@ from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.transport.weight_sink import StreamSink
 from pipelinerl_jax.transport.weight_version import WeightVersion
 from pipelinerl_jax.transport.weights import WeightPublisher, WeightSubscriber
-from pipelinerl_jax.models.factory import create_model
 
 
 MODELS = {"100m": config_100m, "qwen2.5-0.5b": config_qwen2_5_0_5b}

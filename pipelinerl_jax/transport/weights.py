@@ -832,7 +832,8 @@ class _StreamReader:
     def __init__(self, max_bytes: int, pool: _BufferPool,
                  crc_pool: Optional[futures.Executor] = None,
                  expected_shapes: Optional[Mapping[str, tuple]] = None,
-                 accepts: Optional[WeightVersion] = None, payload_host: str = DEFAULT_HOST,
+                 accepts: Optional[WeightVersion] = None,
+                 payload_host: Optional[str] = DEFAULT_HOST,  # None: refuse socket payloads
                  payload_timeout: float = 60.0):
         self.payload_host, self.payload_timeout = payload_host, payload_timeout
         self.max_bytes, self.pool, self.crc_pool = max_bytes, pool, crc_pool
@@ -859,6 +860,9 @@ class _StreamReader:
                                         self.expected_shapes, self.accepts)
             self.receiving = (msg.version, 0, msg.total_bytes)
             if msg.payload_port:  # the bytes come on a socket, not as chunk frames
+                if self.payload_host is None:
+                    raise _CorruptVersion("a socket payload offered to a TLS subscriber: "
+                                          "it fetches weights over TLS only")
                 self.assembler.fetch(self.payload_host, self.payload_timeout)
                 self.receiving = (msg.version, msg.total_bytes, msg.total_bytes)
         elif kind == "chunk" and self.assembler is not None:
@@ -900,7 +904,8 @@ class WeightSubscriber:
         self.address = address
         # A socket payload is fetched from the host this subscriber dials (never a host the
         # stream names); `payload_timeout` bounds each connect and read.
-        self._payload_host = address.rsplit(":", 1)[0].strip("[]")
+        # A TLS subscriber never reads weights off the encrypted channel: it refuses them.
+        self._payload_host = None if tls is not None else address.rsplit(":", 1)[0].strip("[]")
         self._payload_timeout = payload_timeout
         self._accepts = None if accepts is None else accepts.description()
         self._on_weights = on_weights

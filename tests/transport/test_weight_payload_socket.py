@@ -282,3 +282,22 @@ def test_close_does_not_wait_out_a_stalled_payload(monkeypatch):
         sub.close()
         assert time.monotonic() - t < 4 and not sub._thread.is_alive()
         release.set()
+
+
+def test_a_tls_subscriber_refuses_a_socket_payload_before_connecting(monkeypatch):
+    """A publisher refuses TLS with the socket payload; a subscriber on TLS must also refuse a
+    header that offers one (a hostile or misconfigured publisher), never fetch in plaintext."""
+    connects = []
+    monkeypatch.setattr(weights, "_open_payload", lambda *a: connects.append(a))
+    version = weights._Version(WeightVersion("full", version=3, tensors=_tensors(3)), "p",
+                               CHUNK, None)
+    header = version.socket_header(port=1234, ticket=b"t" * weights.TICKET_BYTES)
+    tls_reader = weights._StreamReader(1 << 30, weights._BufferPool(), payload_host=None)
+    with pytest.raises(weights._CorruptVersion, match="TLS subscriber"):
+        tls_reader.feed(header)
+    assert connects == []
+    # the same header on a plaintext subscriber goes on to fetch (here: the stub connects)
+    plain = weights._StreamReader(1 << 30, weights._BufferPool(), payload_host="127.0.0.1")
+    with pytest.raises(weights._CorruptVersion):
+        plain.feed(header)
+    assert connects and connects[0][:2] == ("127.0.0.1", 1234)
