@@ -63,7 +63,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
 import socket
 import sys
 import threading
@@ -77,7 +76,8 @@ import grpc
 import numpy as np
 
 from pipelinerl_jax.transport import rollout_pb2 as pb
-from pipelinerl_jax.transport import wire
+from pipelinerl_jax.transport import payload_socket, wire
+from pipelinerl_jax.transport.payload_socket import TICKET_BYTES, PayloadListener
 from pipelinerl_jax.transport.codec import dtype_from_name
 from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.security import (
@@ -93,7 +93,6 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_PATH_CHARS = 4096  # a published directory's path (PATH_MAX on Linux)
 _ALIGN = 64
 PAYLOADS = ("grpc", "socket")
-TICKET_BYTES = 32
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 
 
@@ -292,14 +291,6 @@ class _Version:
         return b"".join([wire.len_field(2, len(head) + length), head, *pieces])
 
 
-class _Ticket:
-    """One stream's claim on one version's socket payload; `done` is set once it was sent
-    (`ok`) or failed."""
-
-    def __init__(self, version: _Version):
-        self.version, self.done, self.ok = version, threading.Event(), False
-
-
 class WeightPublisher:
     """Serves the newest published version to every subscriber (starts on construction).
 
@@ -338,26 +329,28 @@ class WeightPublisher:
             bind_address, max_message_bytes=self.max_message_bytes, token=token, tls=tls,
             max_workers=max_workers, handlers=[handler])
         self.address = host_port(bind_address, self.port)
-        # Socket payloads (observability: payloads sent, connections refused or failed).
-        self._tickets: dict[bytes, _Ticket] = {}
-        self._conns: set = set()
-        self._conn_slots = threading.BoundedSemaphore(max_workers)
-        self.payloads_sent = self.payload_refused = self.payload_errors = 0
-        self._listener = self._accept_thread = None
+        self.payload_listener: Optional[PayloadListener] = None
         if payload == "socket":
             host = bind_address.rsplit(":", 1)[0].strip("[]") if ":" in bind_address \
                 else bind_address
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self._listener = socket.socket(family, socket.SOCK_STREAM)
-            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._listener.bind((host, 0))
-            self._listener.listen(64)
-            self._listener.settimeout(0.2)  # the accept loop checks for stop()
-            self.payload_port = self._listener.getsockname()[1]
-            self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                                   name=f"payload-{self.publisher_id}")
-            self._accept_thread.start()
+            self.payload_listener = PayloadListener(host, payload_timeout, max_workers,
+                                                    self.publisher_id)
+            self.payload_port = self.payload_listener.port
         self._server.start()
+
+    @property
+    def payloads_sent(self) -> int:
+        """Socket payloads sent (0 on the gRPC path); `payload_refused`: connections without
+        a valid ticket or beyond the slots; `payload_errors`: connections that failed."""
+        return self.payload_listener.sent if self.payload_listener else 0
+
+    @property
+    def payload_refused(self) -> int:
+        return self.payload_listener.refused if self.payload_listener else 0
+
+    @property
+    def payload_errors(self) -> int:
+        return self.payload_listener.errors if self.payload_listener else 0
 
     @property
     def latest_version(self) -> int:
@@ -417,7 +410,7 @@ class WeightPublisher:
                         break
                     self._cv.wait(0.5)
             # Sent whole even if a newer version is published meanwhile (no starvation).
-            if self._listener is not None and frames.nbytes:
+            if self.payload_listener is not None and frames.nbytes:
                 if not (yield from self._socket_frames(frames, context)):
                     return  # the payload failed: end the stream, the subscriber reconnects
             else:
@@ -427,17 +420,14 @@ class WeightPublisher:
     def _socket_frames(self, frames: _Version, context):
         """Header with a fresh ticket; the commit once the payload connection sent it.
         Returns whether it did; the ticket expires either way."""
-        ticket = secrets.token_bytes(TICKET_BYTES)
-        claim = _Ticket(frames)
-        with self._cv:
-            self._tickets[ticket] = claim
+        ticket, claim = self.payload_listener.issue(frames)
         try:
             yield frames.socket_header(self.payload_port, ticket)
-            deadline = _now() + self.payload_timeout
+            deadline = time.monotonic() + self.payload_timeout
             while not claim.done.wait(0.2):
                 if self._stopped or not context.is_active():
                     return False
-                if _now() > deadline:
+                if time.monotonic() > deadline:
                     log.warning("weight publisher: version %d: no payload fetch within %.0f s",
                                 frames.version, self.payload_timeout)
                     return False
@@ -446,83 +436,15 @@ class WeightPublisher:
             yield frames.socket_commit()
             return True
         finally:
-            with self._cv:
-                self._tickets.pop(ticket, None)
-
-    def _accept_loop(self) -> None:
-        """The payload listener: one short-lived thread per connection (at most
-        max_workers); nothing a client does ends it."""
-        while not self._stopped:
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:
-                if self._stopped:
-                    return
-                self.payload_errors += 1
-                log.warning("weight publisher: payload accept failed: %r", e)
-                time.sleep(0.05)
-                continue
-            if not self._conn_slots.acquire(blocking=False):
-                self.payload_refused += 1
-                log.warning("weight publisher: payload connection refused: all %s busy",
-                            "slots")
-                conn.close()
-                continue
-            try:
-                threading.Thread(target=self._serve_payload, args=(conn,), daemon=True,
-                                 name=f"payload-conn-{self.publisher_id}").start()
-            except Exception as e:  # noqa: BLE001 - e.g. no more threads
-                self._conn_slots.release()
-                self.payload_errors += 1
-                log.warning("weight publisher: cannot serve a payload connection: %r", e)
-                conn.close()
-
-    def _serve_payload(self, conn: socket.socket) -> None:
-        claim = None
-        try:
-            with self._cv:
-                self._conns.add(conn)
-            conn.settimeout(self.payload_timeout)
-            ticket = _recv_exact(conn, TICKET_BYTES)
-            with self._cv:
-                claim = None if ticket is None else self._tickets.pop(ticket, None)
-            if claim is None:
-                self.payload_refused += 1
-                log.warning("weight publisher: payload connection with an unknown ticket")
-                return
-            claim.version.send_payload(conn)
-            claim.ok = True
-            self.payloads_sent += 1
-        except Exception as e:  # noqa: BLE001 - a hostile or broken connection: count, go on
-            self.payload_errors += 1
-            log.warning("weight publisher: payload connection failed: %r", e)
-        finally:
-            if claim is not None:
-                claim.done.set()
-            with self._cv:
-                self._conns.discard(conn)
-            try:
-                conn.close()
-            finally:
-                self._conn_slots.release()
+            self.payload_listener.revoke(ticket)
 
     def stop(self, grace: float = 0.5) -> None:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
         self._server.stop(grace).wait()
-        if self._listener is not None:
-            self._accept_thread.join(5)
-            self._listener.close()
-            with self._cv:
-                conns = list(self._conns)
-            for conn in conns:  # wakes their threads (they close it themselves)
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        if self.payload_listener is not None:
+            self.payload_listener.stop()
         if self._crc_pool is not None:
             self._crc_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -535,34 +457,6 @@ class WeightPublisher:
 
 class _CorruptVersion(Exception):
     pass
-
-
-def _open_payload(host: str, port: int, ticket: bytes, timeout: float) -> socket.socket:
-    """A connection to a publisher's payload listener that has sent `ticket`."""
-    conn = socket.create_connection((host, port), timeout=timeout)
-    try:
-        conn.sendall(ticket)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _now() -> float:
-    return time.monotonic()
-
-
-def _recv_exact(conn: socket.socket, n: int) -> Optional[bytes]:
-    """Exactly `n` bytes from `conn` (None if it closes first); the socket's timeout applies
-    to each read."""
-    buf = bytearray(n)
-    view, pos = memoryview(buf), 0
-    while pos < n:
-        got = conn.recv_into(view[pos:], n - pos)
-        if not got:
-            return None
-        pos += got
-    return bytes(buf)
 
 
 class _ChunkView(NamedTuple):
@@ -764,7 +658,8 @@ class _Assembler:
             raise _CorruptVersion(f"socket payload: {h.num_chunks} chunks of {chunk} bytes "
                                   f"for total_bytes {total}")
         view = memoryview(self.buffer)
-        with _open_payload(host, h.payload_port, h.payload_ticket, timeout) as conn:
+        with payload_socket.open_payload(host, h.payload_port, h.payload_ticket,
+                                          timeout) as conn:
             self.conn = conn  # close() shuts it down rather than wait out the timeout
             while self.next_offset < total:
                 got = conn.recv_into(view[self.next_offset:],

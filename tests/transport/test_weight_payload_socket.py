@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipelinerl_jax.models.lora import LoRASpec
-from pipelinerl_jax.transport import weights
+from pipelinerl_jax.transport import payload_socket, weights
 from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.security import TLSConfig
 from pipelinerl_jax.transport.weight_version import WeightVersion
@@ -115,14 +115,14 @@ def test_tls_with_the_socket_payload_is_refused(tmp_path):
 def test_a_wrong_ticket_gets_nothing_and_the_version_is_not_applied(monkeypatch):
     # A stranger with a made-up ticket: the listener closes without a byte.
     got = _Keep()
-    real_open = weights._open_payload
+    real_open = payload_socket.open_payload
     with WeightPublisher(chunk_bytes=CHUNK, payload="socket") as pub:
         with socket.create_connection(("127.0.0.1", pub.payload_port), timeout=5) as s:
             s.sendall(bytes(weights.TICKET_BYTES))
             assert s.recv(1 << 16) == b""
         assert eventually(lambda: pub.payload_refused == 1)
         # A subscriber whose ticket is altered: refused, the version discarded, not applied.
-        monkeypatch.setattr(weights, "_open_payload", lambda h, p, t, to: real_open(
+        monkeypatch.setattr(payload_socket, "open_payload", lambda h, p, t, to: real_open(
             h, p, bytes([t[0] ^ 1]) + t[1:], to))
         sub = WeightSubscriber(pub.address, got, retry=FAST)
         try:
@@ -130,7 +130,7 @@ def test_a_wrong_ticket_gets_nothing_and_the_version_is_not_applied(monkeypatch)
             assert eventually(lambda: sub.versions_discarded >= 2)
             assert got.messages == [] and sub.latest_version == -1
             assert pub.payload_refused >= 3 and pub.payloads_sent == 0
-            monkeypatch.setattr(weights, "_open_payload", real_open)
+            monkeypatch.setattr(payload_socket, "open_payload", real_open)
             assert sub.wait_for_version(1, 20)
             assert _same(got.messages[-1].tensors, _tensors(1))
         finally:
@@ -221,14 +221,14 @@ def test_the_listener_survives_hostile_clients_and_serves_the_next_subscriber():
             # The hanging ones are dropped after payload_timeout, counted.
             assert eventually(lambda: pub.payload_refused + pub.payload_errors >= 5)
             assert hang.recv(10) == b"" and hang_half.recv(10) == b""
-            assert pub._accept_thread.is_alive()
+            assert pub.payload_listener.alive
             pub.publish(FULL.carrying(2, tensors=_tensors(2)))
             assert sub.wait_for_version(2, 20)
         finally:
             hang.close()
             hang_half.close()
             sub.close()
-    assert not pub._accept_thread.is_alive()
+    assert not pub.payload_listener.alive
     with pytest.raises(OSError):  # stop() closed the listener
         socket.create_connection(addr, timeout=2).recv(1)
 
@@ -259,7 +259,7 @@ def test_a_stream_whose_subscriber_never_fetches_expires_its_ticket():
         header = channel_got[0].header
         assert header.payload_port == pub.payload_port and len(header.payload_ticket) == 32
         assert len(channel_got) == 1  # no chunks, no commit: the stream ended
-        assert not pub._tickets
+        assert not pub.payload_listener.pending
         with socket.create_connection(("127.0.0.1", pub.payload_port), timeout=5) as s:
             s.sendall(header.payload_ticket)  # expired
             assert s.recv(10) == b""
@@ -288,7 +288,7 @@ def test_a_tls_subscriber_refuses_a_socket_payload_before_connecting(monkeypatch
     """A publisher refuses TLS with the socket payload; a subscriber on TLS must also refuse a
     header that offers one (a hostile or misconfigured publisher), never fetch in plaintext."""
     connects = []
-    monkeypatch.setattr(weights, "_open_payload", lambda *a: connects.append(a))
+    monkeypatch.setattr(payload_socket, "open_payload", lambda *a: connects.append(a))
     version = weights._Version(WeightVersion("full", version=3, tensors=_tensors(3)), "p",
                                CHUNK, None)
     header = version.socket_header(port=1234, ticket=b"t" * weights.TICKET_BYTES)
