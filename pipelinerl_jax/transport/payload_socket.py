@@ -144,6 +144,25 @@ class PayloadListener:
                 pass
 
 
+_IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+
+
+def send_buffers(conn: socket.socket, buffers) -> None:
+    """Sends `buffers` in order with `sendmsg` from their own memory (no join); resumes
+    after partial sends. Raises OSError if the connection fails."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    i = 0
+    while i < len(views):
+        sent = conn.sendmsg(views[i:i + _IOV_MAX])
+        while sent and i < len(views):
+            n = views[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i], sent = views[i][sent:], 0
+
+
 def open_payload(host: str, port: int, ticket: bytes, timeout: float) -> socket.socket:
     """A connection to a publisher's payload listener that has sent `ticket`."""
     conn = socket.create_connection((host, port), timeout=timeout)

@@ -176,6 +176,11 @@ def make_channel(address: str, *, max_message_bytes: int,
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root), options=options)
 
 
+def address_host(address: str) -> str:
+    """The host part of "host:port" ("[::1]:0" -> "::1"; an address without a port is a host)."""
+    return (address.rsplit(":", 1)[0] if ":" in address else address).strip("[]")
+
+
 def host_port(address: str, port: int) -> str:
     """`address` with its port replaced by the bound one ("127.0.0.1:0" -> "127.0.0.1:4321")."""
     host = address.rsplit(":", 1)[0] if ":" in address else address

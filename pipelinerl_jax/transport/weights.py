@@ -81,7 +81,8 @@ from pipelinerl_jax.transport.payload_socket import TICKET_BYTES, PayloadListene
 from pipelinerl_jax.transport.codec import dtype_from_name
 from pipelinerl_jax.transport.retry import RetryPolicy
 from pipelinerl_jax.transport.security import (
-    DEFAULT_HOST, TLSConfig, call_metadata, host_port, make_channel, make_server)
+    DEFAULT_HOST, TLSConfig, address_host, call_metadata, host_port, make_channel,
+    make_server)
 from pipelinerl_jax.transport.weight_version import KINDS, WeightVersion, refusal
 from pipelinerl_jax.models.lora import LoRASpec
 
@@ -93,7 +94,6 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_PATH_CHARS = 4096  # a published directory's path (PATH_MAX on Linux)
 _ALIGN = 64
 PAYLOADS = ("grpc", "socket")
-_IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 
 
 def path_problem(path) -> Optional[str]:
@@ -207,7 +207,14 @@ class _Version:
     def _pieces(self, index: int) -> list:
         """The chunk's payload as views of the tensors (plus zero padding)."""
         start = index * self.chunk_bytes
-        end = min(self.nbytes, start + self.chunk_bytes)
+        return self._span(start, min(self.nbytes, start + self.chunk_bytes))
+
+    def payload_pieces(self) -> list:
+        """The whole payload as views of the tensors plus the alignment gaps' zeros."""
+        return self._span(0, self.nbytes)
+
+    def _span(self, start: int, end: int) -> list:
+        """Payload bytes [start, end) as views of the tensors (plus zero padding)."""
         pieces, pos = [], start
         for seg_off, seg in self.segments:  # a few hundred tensors: a linear scan is fine
             seg_end = seg_off + seg.size
@@ -223,32 +230,10 @@ class _Version:
             pieces.append(bytes(end - pos))
         return pieces
 
-    def payload_pieces(self) -> list:
-        """The whole payload as views of the tensors plus the alignment gaps' zeros."""
-        pieces, pos = [], 0
-        for seg_off, seg in self.segments:
-            if seg_off > pos:
-                pieces.append(bytes(seg_off - pos))
-            pieces.append(seg)
-            pos = seg_off + seg.size
-        if pos < self.nbytes:
-            pieces.append(bytes(self.nbytes - pos))
-        return pieces
-
     def send_payload(self, conn: socket.socket) -> None:
-        """Sends the payload on `conn` from the tensors' own memory (sendmsg over the
-        views: nothing is joined). Raises OSError if the connection fails."""
-        views = [memoryview(p).cast("B") for p in self.payload_pieces()]
-        i = 0
-        while i < len(views):
-            sent = conn.sendmsg(views[i:i + _IOV_MAX])
-            while sent and i < len(views):
-                n = views[i].nbytes
-                if sent >= n:
-                    sent -= n
-                    i += 1
-                else:
-                    views[i], sent = views[i][sent:], 0
+        """Sends the payload on `conn` from the tensors' own memory (nothing is joined).
+        Raises OSError if the connection fails."""
+        payload_socket.send_buffers(conn, self.payload_pieces())
 
     def socket_header(self, port: int, ticket: bytes) -> bytes:
         """The header frame for one stream of a socket payload."""
@@ -331,9 +316,8 @@ class WeightPublisher:
         self.address = host_port(bind_address, self.port)
         self.payload_listener: Optional[PayloadListener] = None
         if payload == "socket":
-            host = bind_address.rsplit(":", 1)[0].strip("[]") if ":" in bind_address \
-                else bind_address
-            self.payload_listener = PayloadListener(host, payload_timeout, max_workers,
+            self.payload_listener = PayloadListener(address_host(bind_address),
+                                                    payload_timeout, max_workers,
                                                     self.publisher_id)
             self.payload_port = self.payload_listener.port
         self._server.start()
@@ -800,7 +784,7 @@ class WeightSubscriber:
         # A socket payload is fetched from the host this subscriber dials (never a host the
         # stream names); `payload_timeout` bounds each connect and read.
         # A TLS subscriber never reads weights off the encrypted channel: it refuses them.
-        self._payload_host = None if tls is not None else address.rsplit(":", 1)[0].strip("[]")
+        self._payload_host = None if tls is not None else address_host(address)
         self._payload_timeout = payload_timeout
         self._accepts = None if accepts is None else accepts.description()
         self._on_weights = on_weights
