@@ -72,10 +72,11 @@ class EngineMonitor:
         self.latest: dict = {}
         self._last_time = clock()
 
-    def poll(self) -> Optional[Tuple[float, dict]]:
-        """(time, fresh stats) when `every_s` has passed since the last read, else None."""
+    def poll(self, force: bool = False) -> Optional[Tuple[float, dict]]:
+        """(time, fresh stats) when `every_s` has passed since the last read (or `force`),
+        else None."""
         now = self.clock()
-        if now - self._last_time < self.every_s:
+        if not force and now - self._last_time < self.every_s:
             return None
         s = self.engine.stats()
         # Time-averaged fraction of slots holding a sample (idle time counts as empty).

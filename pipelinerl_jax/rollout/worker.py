@@ -216,9 +216,15 @@ class RolloutWorker:
             self.admit(max_requests)
             for group in self.source.poll(timeout=0.02):
                 self.finish(group)
-            fresh = self.monitor.poll()
-            if fresh is not None:
-                self.rollout_log.engine_stats(*fresh, self.counts, self.source.stats())
+            self._report()
+        # One last report, whatever `every_s` is: a run shorter than it still leaves its
+        # cumulative counters in engine_stats.jsonl.
+        self._report(force=True)
+
+    def _report(self, force: bool = False) -> None:
+        fresh = self.monitor.poll(force)
+        if fresh is not None:
+            self.rollout_log.engine_stats(*fresh, self.counts, self.source.stats())
 
     def stop(self) -> None:
         self._stop.set()

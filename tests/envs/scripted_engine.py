@@ -153,7 +153,10 @@ class ScriptedEngine(InferenceEngine):
                 "paused": self._paused, "error": None, "closed": self._closed}
 
     def stats(self):
-        return {"engine_id": self.engine_id, "version": self._version}
+        # The fields every engine reports (engine.stats); a scripted engine has no windows.
+        return {"engine_id": self.engine_id, "version": self._version, "num_slots": 0,
+                "slot_occupancy": 0.0, "busy_fraction": 0.0, "window_s": 0.0,
+                "window_decode_steps": 0, "tokens_per_s": 0.0, "queued_samples": 0}
 
     def close(self):
         with self._cv:

@@ -45,7 +45,9 @@ def test_pipeline_rides_out_a_misbehaving_sglang_server(tmp_path, init_ckpt):
     assert counts["corrupted"] >= 1 and counts["generate"] >= 14
 
     # Counted by the engine and the worker (their last report in engine_stats.jsonl).
-    last = read_jsonl(os.path.join(workdir, "engine_stats.jsonl"))[-1]
+    reports = read_jsonl(os.path.join(workdir, "engine_stats.jsonl"))
+    assert reports, logs(workdir)  # the worker's last report is written when its loop ends
+    last = reports[-1]
     assert last["retries"] > 0                    # 503s and timeouts, retried
     assert last["server_aborted_segments"] > 0 and last["resubmitted_samples"] > 0
     assert last["rerouted_requests"] > 0          # timed-out requests sent again

@@ -119,6 +119,11 @@ class Queue(Stats):
 class Engine:
     version = 0
 
+    def stats(self):
+        return {"engine_id": "e0", "version": 0, "slot_occupancy": 0.5, "busy_fraction": 1.0,
+                "num_slots": 2, "window_s": 1.0, "window_decode_steps": 4, "tokens_per_s": 3.0,
+                "queued_samples": 0, "retries": 7}
+
 
 class Source:
     """A group source that returns the groups a test scripts."""
@@ -174,3 +179,17 @@ def test_the_loop_frees_the_place_of_every_group_that_is_not_put(tmp_path):
     assert counts["groups_failed"] == 1  # and the loop started its replacement:
     assert counts["started"] == 5 and [t.batch for t in source.started] == [0] * 5
     assert not worker.can_admit()
+
+
+def test_a_run_shorter_than_the_stats_period_still_leaves_its_counters(tmp_path):
+    """Regression (a flaky fault test under load): engine_stats.jsonl was written only when
+    `stats_every_s` had passed, so a run that ended sooner left it empty. The loop's end now
+    writes one last report with the cumulative counters."""
+    cfg = resolve(base_config())
+    counts, log = collections.Counter(groups_failed=2), RolloutLog(str(tmp_path), 0)
+    engine = Engine()
+    worker = RolloutWorker(cfg, engine, None, None, Queue(), parts=WorkerParts(
+        Source(), None, None, log, EngineMonitor(engine, 1e9), counts, "w0-n"))
+    worker.run(max_groups=0)
+    [last] = lines(tmp_path / "engine_stats.jsonl")
+    assert last["retries"] == 7 and last["worker"] == {"groups_failed": 2}
