@@ -3,7 +3,7 @@ live in a JaxEngine (full vs LoRA, with the host copies a full version takes).
 
     python scripts/bench_weight_sync.py [--steps 6] [--batch 4] [--seq 128] [--small]
                                         [--model 100m|qwen2.5-0.5b]
-    python scripts/bench_weight_sync.py --live [--model qwen2.5-0.5b] [--versions 3]
+    python scripts/bench_weight_sync.py --live [--model qwen2.5-0.5b] [--versions 5]
                                         [--payload grpc|socket|both]
 
 A ~100M-parameter Llama (`config_100m`) trains with a jitted, donating step (forward +
@@ -16,7 +16,8 @@ as a fraction of the step time.
 
 `--live`: a bfloat16 model of the chosen shape; each version goes from fresh host arrays
 through a real `WeightPublisher` / `WeightSubscriber` (loopback gRPC) into a `JaxEngine`
-(bfloat16, the dtype the learner publishes: no cast) until the engine serves it:
+(bfloat16, the dtype the learner publishes: no cast) until the engine serves it (the
+median over `--versions` timed versions, after one untimed warm-up version):
 'full' (every weight) and 'lora' (rank 16, alpha 32, every projection: only the adapters,
 served unmerged). `full_host_copies` counts the full-size copies a full version takes from
 the learner's device to the engine's, each measured: the on-device snapshot and the
@@ -143,14 +144,15 @@ def publish_to_live(cfg, lora, versions: int, payload_path: str = "grpc") -> dic
                            accepts=engine.serves)
     times, nbytes = [], sum(a.nbytes for a in payload.values())
     try:
-        for v in range(1, versions + 1):
+        for v in range(1, versions + 2):  # version 1 warms up (first transfers, threads)
             fresh = {k: np.array(a) for k, a in payload.items()}  # the learner's fetch
             t = time.perf_counter()
             pub.publish(describes.carrying(v, tensors=fresh))
             if not sub.wait_for_version(v, 1800):
                 raise TimeoutError(f"version {v} never went live: {sub.last_error}")
             assert engine.version == v
-            times.append(time.perf_counter() - t)
+            if v > 1:
+                times.append(time.perf_counter() - t)
         live = flat_params(engine.params, host=False)
         name = max(received["tensors"], key=lambda k: received["tensors"][k].nbytes)
         copies = {
@@ -210,7 +212,8 @@ def main():
                    help="100m (config_100m) or qwen2.5-0.5b (its config's dimensions)")
     p.add_argument("--live", action="store_true",
                    help="publish -> live in a JaxEngine, full vs LoRA rank 16")
-    p.add_argument("--versions", type=int, default=3, help="--live: versions per arm")
+    p.add_argument("--versions", type=int, default=5,
+                   help="--live: timed versions per arm (after one untimed warm-up version)")
     p.add_argument("--payload", default="grpc", choices=("grpc", "socket", "both"),
                    help="--live: the weight publisher's payload path (both: side by side)")
     a = p.parse_args()

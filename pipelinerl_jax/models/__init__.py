@@ -14,11 +14,12 @@ from pipelinerl_jax.models.hf_io import (from_pretrained, hf_state_dict, load_co
                                          save_pretrained, write_hf_dir)
 
 __all__ += ["from_pretrained", "save_pretrained", "hf_state_dict", "load_config", "write_hf_dir"]
-from pipelinerl_jax.models.params import (WeightsMismatch, decoder_from_flat,  # noqa: E402
-                                          flat_params, param_shapes, state_from_flat)
+from pipelinerl_jax.models.params import (LeafSlots, WeightsMismatch,  # noqa: E402
+                                          decoder_from_flat, flat_params, param_shapes,
+                                          state_from_flat)
 
 __all__ += ["flat_params", "state_from_flat", "param_shapes", "decoder_from_flat",
-            "WeightsMismatch"]
+            "WeightsMismatch", "LeafSlots"]
 from pipelinerl_jax.models.lora import (LoRASpec, adapter_params, add_lora,  # noqa: E402
                                         base_params, merge_lora, merged_params)
 

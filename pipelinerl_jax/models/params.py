@@ -11,6 +11,7 @@ weight install, the HF-directory writers of the weight sink and the SGLang engin
     state_from_flat(like_state, flat, shardings=...)  -> nnx.State, every name/shape/dtype
                                                          checked (`WeightsMismatch`)
     decoder_from_flat(weights, model_config)           -> a Decoder on host arrays
+    LeafSlots(like_state, names).replace(state, flat)  -> a few named arrays swapped in
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pipelinerl_jax.models.model import Decoder
 
@@ -88,30 +90,114 @@ def state_from_flat(like_state: nnx.State, flat: Mapping[str, object],
     values, targets = [], []  # host copies / cast device arrays, and where each goes
     for name, (_, var), place in zip(names, leaves, places):
         like = var.get_value()
-        value = flat[name]
-        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-            value = np.asarray(value)
-        if tuple(value.shape) != tuple(like.shape):
-            raise WeightsMismatch(f"weights: parameter {name!r} has shape "
-                                  f"{tuple(value.shape)}, the model needs {tuple(like.shape)}")
-        if _kind(value.dtype) != _kind(like.dtype):
-            raise WeightsMismatch(f"weights: parameter {name!r} has dtype {value.dtype}, the "
-                                  f"model holds {like.dtype}")
         if place is None and isinstance(like, jax.Array):
             place = like.sharding
+        value = _checked(name, flat[name], like)
         if name in keep:  # taken as it is: already in its dtype and place
             values.append(value)
             place = None
-        elif place is None:
-            values.append(np.array(value, dtype=like.dtype))  # a host copy
-        elif isinstance(value, jax.Array):  # (a cast stays in the sender's layout)
-            values.append(value if value.dtype == like.dtype else value.astype(like.dtype))
         else:
-            values.append(np.asarray(value).astype(like.dtype, copy=False))
+            values.append(_staged(value, like, place))
         targets.append(place)
     values = reshard(values, targets)
     return jax.tree_util.tree_unflatten(
         treedef, [var.replace(v) for (_, var), v in zip(leaves, values)])
+
+
+def _checked(name: str, value, like):
+    """`value` (an array) if it has `like`'s shape and a dtype of its kind, else
+    `WeightsMismatch` naming `name`."""
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        value = np.asarray(value)
+    if tuple(value.shape) != tuple(like.shape):
+        raise WeightsMismatch(f"weights: parameter {name!r} has shape "
+                              f"{tuple(value.shape)}, the model needs {tuple(like.shape)}")
+    if _kind(value.dtype) != _kind(like.dtype):
+        raise WeightsMismatch(f"weights: parameter {name!r} has dtype {value.dtype}, the "
+                              f"model holds {like.dtype}")
+    return value
+
+
+def _staged(value, like, place):
+    """A checked `value` made ready for `reshard` onto `place`: a host copy in `like`'s dtype
+    when `place` is None; else a device array cast in the sender's layout, or a host array
+    cast only when its dtype differs (the transfer is then its one copy)."""
+    if place is None:
+        return np.array(value, dtype=like.dtype)  # a host copy
+    if isinstance(value, jax.Array):  # (a cast stays in the sender's layout)
+        return value if value.dtype == like.dtype else value.astype(like.dtype)
+    return np.asarray(value).astype(like.dtype, copy=False)
+
+
+class LeafSlots:
+    """Where the named parameters sit in a state's flat list of arrays, found once, so that
+    replacing a few of them (a LoRA engine's adapters, every version) costs work for those
+    few: no walk over every name of the state, no rebuilding of the others.
+
+        slots = LeafSlots(like_state, adapter_names, shardings)
+        state = slots.replace(live_state, {name: array})   # same checks as state_from_flat
+
+    `live_state` must have `like_state`'s structure (the engine's live state does: it was
+    built by `state_from_flat(like_state, ...)`)."""
+
+    def __init__(self, like_state: nnx.State, names, shardings: Optional[nnx.State] = None):
+        leaves = jax.tree_util.tree_flatten_with_path(like_state, is_leaf=_is_var)[0]
+        if len(jax.tree_util.tree_leaves(like_state)) != len(leaves):
+            raise ValueError("a state whose Variables hold one array each was expected")
+        index = {path_name(p): i for i, (p, _) in enumerate(leaves)}
+        unknown = [n for n in names if n not in index]
+        if unknown:
+            raise WeightsMismatch(f"weights: {unknown[:5]} are not parameters of the model")
+        places = [None] * len(leaves) if shardings is None else [
+            v.get_value() for v in jax.tree_util.tree_leaves(shardings, is_leaf=_is_var)]
+        self.names, self._count = list(names), len(leaves)
+        self._split = None  # the jitted split of a packed transfer (`_packed`), made once
+        self.positions = [index[n] for n in self.names]
+        self.likes = [leaves[i][1].get_value() for i in self.positions]
+        self.places = [places[i] if places[i] is not None or not isinstance(like, jax.Array)
+                       else like.sharding for i, like in zip(self.positions, self.likes)]
+
+    def replace(self, state: nnx.State, flat: Mapping[str, object]) -> nnx.State:
+        """`state` with `flat`'s values (exactly `names`) in their slots, placed with one
+        `device_put`; every other array is `state`'s own (no copy)."""
+        if set(flat) != set(self.names):
+            raise WeightsMismatch(f"weights: missing {sorted(set(self.names) - set(flat))[:5]}"
+                                  f", unknown {sorted(set(flat) - set(self.names))[:5]}")
+        arrays, treedef = jax.tree_util.tree_flatten(state)
+        if len(arrays) != self._count:
+            raise ValueError(f"the state holds {len(arrays)} arrays, its slots were found in "
+                             f"one of {self._count}")
+        values = [_staged(_checked(n, flat[n], like), like, place) for n, like, place
+                  in zip(self.names, self.likes, self.places)]
+        values = self._packed(values) or reshard(values, self.places)
+        for i, v in zip(self.positions, values):
+            arrays[i] = v
+        return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+    def _packed(self, values: list) -> Optional[list]:
+        """Host arrays of one dtype, all going to one mesh's devices, moved as ONE buffer (one
+        transfer instead of one per array: hundreds of small adapters) and split on the
+        device by a jitted program made once (`out_shardings`: each slot's); None when that
+        does not apply (device arrays, the learner's in-process: already on a device)."""
+        if not values or any(not isinstance(v, np.ndarray) for v in values) or \
+                len({v.dtype for v in values}) != 1 or \
+                not all(isinstance(p, NamedSharding) for p in self.places) or \
+                len({p.mesh for p in self.places}) != 1:
+            return None
+        if self._split is None:
+            sizes = [int(v.size) for v in values]
+            shapes = [tuple(v.shape) for v in values]
+            starts = np.cumsum([0] + sizes[:-1]).tolist()
+
+            def split(buffer):
+                return tuple(jax.lax.dynamic_slice_in_dim(buffer, start, size).reshape(shape)
+                             for start, size, shape in zip(starts, sizes, shapes))
+
+            self._split = jax.jit(split, out_shardings=tuple(self.places))
+            self._replicated = NamedSharding(self.places[0].mesh, PartitionSpec())
+        buffer = np.concatenate([v.reshape(-1) for v in values])  # the one host copy
+        return list(self._split(jax.device_put(buffer, self._replicated)))
 
 
 def reshard(values: list, targets: list) -> list:

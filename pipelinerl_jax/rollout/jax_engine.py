@@ -40,8 +40,8 @@ from flax import nnx
 
 from pipelinerl_jax import config_checks as cfg_lib
 from pipelinerl_jax import sharding as sharding_lib
-from pipelinerl_jax.models import (Decoder, flat_params, from_pretrained, param_shapes,
-                                   state_from_flat)
+from pipelinerl_jax.models import (Decoder, LeafSlots, flat_params, from_pretrained,
+                                   param_shapes, state_from_flat)
 from pipelinerl_jax.models.decoder_config import dtype_of
 from pipelinerl_jax.models import paged_kernels
 from pipelinerl_jax.models.params import WeightsMismatch
@@ -227,9 +227,16 @@ class JaxEngine(InferenceEngine):
         shapes = param_shapes(self._abstract_state)
         self._adapter_shapes = None if self.lora is None else {
             k: v for k, v in shapes.items() if k.endswith(("_lora_a", "_lora_b"))}
+        # where the adapters sit in the live state: a version swaps just them (`_install`)
+        self._adapter_slots = None if self.lora is None else LeafSlots(
+            self._abstract_state, sorted(self._adapter_shapes), self._param_shardings)
         itemsize = np.dtype(self.dtype).itemsize
-        # held: the live weights, plus the next version's while it is staged (LoRA: adapters)
+        # held: the live weights, plus the next version's while it is staged (LoRA: adapters,
+        # and, while they are placed, the one packed buffer they travel in, on every device:
+        # `LeafSlots`)
         staged = sum(int(np.prod(v)) for v in (self._adapter_shapes or shapes).values())
+        if self.lora is not None:
+            staged *= 1 + len(devices)
         self.memory = engine_memory.check_fits(  # before allocating: a clear error, no OOM
             self.model_config, cfg.max_slots, cfg.max_seq_len, self.dtype, devices,
             pages=pool, pool_key="kv_memory_fraction" if cfg.kv_memory_fraction
@@ -310,9 +317,7 @@ class JaxEngine(InferenceEngine):
         if tensors is None:
             tensors, _ = read_peft_dir(message.path, self.model_config)
         self._check_adapters(tensors)
-        live = flat_params(self.scheduler.params, host=False)
-        return state_from_flat(self._abstract_state, {**live, **tensors},
-                               self._param_shardings, keep=set(live) - set(tensors))
+        return self._adapter_slots.replace(self.scheduler.params, tensors)
 
     def _check_adapters(self, adapters: Mapping[str, Any]) -> None:
         """Exactly this engine's adapter names and shapes, else `WeightsMismatch`."""

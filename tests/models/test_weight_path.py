@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pipelinerl_jax.models import (Decoder, WeightsMismatch, flat_params, from_pretrained,
-                                   save_pretrained, state_from_flat, tiny_config, write_hf_dir)
+from pipelinerl_jax.models import (Decoder, LeafSlots, WeightsMismatch, flat_params,
+                                   from_pretrained, save_pretrained, state_from_flat, tiny_config, write_hf_dir)
 from pipelinerl_jax.rollout.jax_engine import JaxEngine
 from pipelinerl_jax.rollout.sglang_engine import SGLangEngine
 from pipelinerl_jax.transport.versioned_dir import list_versions
@@ -126,3 +126,72 @@ def test_state_from_flat_never_aliases_the_callers_buffers():
     host = state_from_flat(nnx.eval_shape(lambda: nnx.state(Decoder(MODEL, nnx.Rngs(0)),
                                                            nnx.Param)), flat_params(model))
     assert all(isinstance(v, np.ndarray) for v in flat_params(host, host=False).values())
+
+
+def test_leaf_slots_swap_only_the_named_arrays_with_state_from_flats_checks():
+    """A LoRA engine's per-version swap: the named arrays are placed fresh (never aliasing
+    the caller's), every other array is the live state's own object, and the result equals
+    `state_from_flat` of the whole; bad weights are refused as everywhere else."""
+    import jax
+    model = Decoder(MODEL, nnx.Rngs(3))
+    state = nnx.state(model, nnx.Param)
+    live = flat_params(state, host=False)
+    names = ["layers/0/attn/q_proj", "final_norm/weight"]
+    slots = LeafSlots(nnx.eval_shape(lambda: nnx.state(Decoder(MODEL, nnx.Rngs(0)),
+                                                       nnx.Param)), names)
+    rng = np.random.default_rng(0)
+    new = {n: rng.standard_normal(live[n].shape).astype(np.float32) for n in names}
+    out = flat_params(slots.replace(state, new), host=False)
+    assert out.keys() == live.keys()
+    for name, value in out.items():
+        if name in names:
+            np.testing.assert_array_equal(np.asarray(value), new[name])
+        else:
+            assert value is live[name], name  # the live array itself, not a copy
+    whole = flat_params(state_from_flat(state, {**live, **new}))
+    for name, value in flat_params(slots.replace(state, new)).items():
+        np.testing.assert_array_equal(value, whole[name])
+    device_new = {n: jax.numpy.asarray(a) for n, a in new.items()}
+    on_device = LeafSlots(state, names)  # a live state's slots: placed where its arrays are
+    for name, value in flat_params(on_device.replace(state, device_new), host=False).items():
+        if name in names:
+            assert value.unsafe_buffer_pointer() != device_new[name].unsafe_buffer_pointer()
+    assert "'layers/0/attn/q_proj' has shape (3," in _refusal(lambda: slots.replace(
+        state, {**new, "layers/0/attn/q_proj": new["layers/0/attn/q_proj"][:3]}))
+    assert "has dtype int32" in _refusal(lambda: slots.replace(
+        state, {**new, "final_norm/weight": new["final_norm/weight"].astype(np.int32)}))
+    assert "missing ['final_norm/weight']" in _refusal(lambda: slots.replace(
+        state, {"layers/0/attn/q_proj": new["layers/0/attn/q_proj"]}))
+    assert "not parameters" in _refusal(lambda: LeafSlots(state, ["nope"]))
+
+
+def test_leaf_slots_move_host_adapters_as_one_buffer_split_onto_each_slots_layout():
+    """A LoRA engine's slots are NamedShardings on its mesh: host arrays of one dtype travel
+    as one buffer and a jitted split lays each out as its slot says (here tensor-parallel
+    over 2 devices); the values are exact. Device arrays (the in-process learner's) take the
+    per-array path."""
+    import jax
+    from pipelinerl_jax.sharding import make_mesh, state_shardings
+    from pipelinerl_jax.models.lora import LoRASpec, add_lora
+    model = Decoder(tiny_config(vocab_size=40, hidden_size=32, intermediate_size=64,
+                                num_heads=2, num_kv_heads=2, head_dim=16), nnx.Rngs(4))
+    add_lora(model, LoRASpec(4, 8.0), nnx.Rngs(5))
+    state = nnx.state(model, nnx.Param)
+    shardings = state_shardings(state, make_mesh((1, 1, 2)))
+    live = state_from_flat(state, flat_params(state, host=False), shardings)
+    names = sorted(n for n in flat_params(state) if n.endswith(("_lora_a", "_lora_b")))
+    slots = LeafSlots(state, names, shardings)
+    rng = np.random.default_rng(1)
+    new = {n: rng.standard_normal(flat_params(state)[n].shape).astype(np.float32)
+           for n in names}
+    want = {n: s.get_value() for n, s in zip(
+        flat_params(state), jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(
+            x, nnx.Variable)))}
+    for rounds in range(2):  # the split is made once and reused
+        out = flat_params(slots.replace(live, new), host=False)
+        for name in names:
+            np.testing.assert_array_equal(np.asarray(out[name]), new[name])
+            assert out[name].sharding == want[name], name
+    assert slots._split is not None  # the packed path ran
+    assert any(len(want[n].device_set) == 2 and not want[n].is_fully_replicated
+               for n in names)  # some adapter really is split across the devices
