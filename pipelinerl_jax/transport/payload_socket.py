@@ -30,12 +30,13 @@ class Claim:
 
 
 class PayloadListener:
-    """A TCP listener on `host` (an ephemeral port) that sends a claimed version's payload to
+    """A TCP listener on `host` (`port`; 0: an ephemeral one) that sends a claimed version's payload to
     whoever presents its ticket, once. `timeout` bounds the wait for a ticket and each send;
     at most `max_connections` are served at once (more are refused and counted). Nothing a
     client does ends it; `stop()` does."""
 
-    def __init__(self, host: str, timeout: float, max_connections: int, name: str = ""):
+    def __init__(self, host: str, timeout: float, max_connections: int, name: str = "",
+                 port: int = 0):
         self.timeout = timeout
         self.sent = self.refused = self.errors = 0  # observability
         self._lock = threading.Lock()
@@ -46,7 +47,12 @@ class PayloadListener:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise OSError(e.errno, f"the weight payload listener cannot bind {host}:{port}: "
+                                   f"{e.strerror}") from e
         self._sock.listen(64)
         self._sock.settimeout(0.2)  # the accept loop checks for stop()
         self.port = self._sock.getsockname()[1]

@@ -51,6 +51,7 @@ def transport_config() -> ConfigDict:
     # 'grpc': the payload as chunk frames on the stream; 'socket': on a ticketed plain TCP
     # connection beside it (no frame assembly, no gRPC copies; plaintext: not with TLS)
     c.weight_payload = "grpc"
+    c.weight_payload_port = 0        # 'socket': its listener's port (0: any free one)
     # Security
     c.auth_token = config_dict.placeholder(str)
     c.auth_token_file = config_dict.placeholder(str)
@@ -84,7 +85,7 @@ def validate_transport_config(cfg, prefix: str = "transport") -> None:
     for name in ("queue_host", "weights_host"):
         if v[name] is not None and (not isinstance(v[name], str) or not v[name]):
             raise ConfigError(k(name), f"must be a host name or IP, or None, got {v[name]!r}")
-    for name in ("queue_port", "weights_port"):
+    for name in ("queue_port", "weights_port", "weight_payload_port"):
         if _checked(prefix, positive_int, cfg, name, allow_zero=True) > 65535:
             raise ConfigError(k(name), f"must be in [0, 65535], got {v[name]}")
     for name in ("capacity_rollouts", "capacity_bytes", "max_prompt_tokens",
@@ -111,6 +112,9 @@ def validate_transport_config(cfg, prefix: str = "transport") -> None:
     if v["weight_payload"] == "socket" and (v["tls_cert_file"] or v["tls_ca_file"]):
         raise ConfigError(k("weight_payload"), "'socket' sends the weights in plaintext and "
                           "cannot be combined with TLS (tls_*): use 'grpc'")
+    if v["weight_payload_port"] and v["weight_payload_port"] == v["weights_port"]:
+        raise ConfigError(k("weight_payload_port"), f"{v['weight_payload_port']} is also "
+                          "weights_port: the payload listener needs a port of its own")
     if v["auth_token"] and v["auth_token_file"]:
         raise ConfigError(k("auth_token"), "set auth_token or auth_token_file, not both")
     for name in ("auth_token_file", "tls_cert_file", "tls_key_file", "tls_ca_file"):
@@ -181,4 +185,5 @@ def publisher_kwargs(cfg) -> dict:
     """Keyword arguments of WeightPublisher (after its bind address) from the section."""
     return {"token": load_token(cfg.auth_token, cfg.auth_token_file),
             "tls": tls_from_config(cfg, server=True), "chunk_bytes": cfg.weight_chunk_bytes,
-            "checksum": cfg.weight_checksum, "payload": cfg.get("weight_payload", "grpc")}
+            "checksum": cfg.weight_checksum, "payload": cfg.get("weight_payload", "grpc"),
+            "payload_port": cfg.get("weight_payload_port", 0)}

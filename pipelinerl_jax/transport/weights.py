@@ -284,14 +284,15 @@ class WeightPublisher:
     the bytes from a plain TCP listener beside the server, which sends them straight from the
     tensors' memory (no frame assembly). Plaintext, so refused with `tls`. `payload_timeout`
     bounds how long a payload connection may wait for its ticket or stall, and how long a
-    stream waits for its subscriber to fetch the payload.
+    stream waits for its subscriber to fetch the payload. `payload_port`: the payload
+    listener's port (0: any free one; fixed where a firewall must allow it).
     """
 
     def __init__(self, bind_address: str = f"{DEFAULT_HOST}:0", token: Optional[str] = None,
                  tls: Optional[TLSConfig] = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  checksum: bool = True, max_message_bytes: Optional[int] = None,
                  max_workers: int = 64, payload: str = "grpc",
-                 payload_timeout: float = 60.0):
+                 payload_timeout: float = 60.0, payload_port: int = 0):
         if chunk_bytes < 1024:
             raise ValueError(f"chunk_bytes must be >= 1024, got {chunk_bytes}")
         if payload not in PAYLOADS:
@@ -318,7 +319,7 @@ class WeightPublisher:
         if payload == "socket":
             self.payload_listener = PayloadListener(address_host(bind_address),
                                                     payload_timeout, max_workers,
-                                                    self.publisher_id)
+                                                    self.publisher_id, port=payload_port)
             self.payload_port = self.payload_listener.port
         self._server.start()
 
@@ -429,6 +430,9 @@ class WeightPublisher:
         self._server.stop(grace).wait()
         if self.payload_listener is not None:
             self.payload_listener.stop()
+            log.info("weight payload socket %s:%d: %d payloads sent, %d connections refused, "
+                     "%d failed", address_host(self.address), self.payload_port,
+                     self.payloads_sent, self.payload_refused, self.payload_errors)
         if self._crc_pool is not None:
             self._crc_pool.shutdown(wait=False, cancel_futures=True)
 

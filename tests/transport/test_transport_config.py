@@ -29,6 +29,8 @@ def test_defaults_are_valid_and_loopback():
     ("host", "0.0.0.0", "transport.host: '0.0.0.0' is not a loopback"),
     ("weight_checksum", "yes", "transport.weight_checksum"),
     ("weight_payload", "shm", "transport.weight_payload"),
+    ("weight_payload_port", 70000, "transport.weight_payload_port"),
+    ("weight_payload_port", 50052, "transport.weight_payload_port: 50052 is also weights_port"),
 ])
 def test_bad_values_name_the_key(key, value, match):
     cfg = transport_config().to_dict()  # a plain dict: ConfigDict would refuse wrong types
@@ -92,3 +94,32 @@ def test_server_from_config():
         assert server.address.startswith("127.0.0.1:") and server.port > 0
     finally:
         server.stop(0)
+
+
+def test_a_fixed_payload_port_is_the_one_the_header_announces_and_a_taken_one_is_named():
+    """`transport.weight_payload_port`: where a firewall between hosts must allow the payload
+    connection, the listener binds that port (not an ephemeral one); a port already taken
+    fails at start naming the address."""
+    import socket
+    import numpy as np
+    from pipelinerl_jax.transport.transport_section import publisher_kwargs, subscriber_kwargs
+    from tests.transport.flat_weights import FlatPublisher, FlatSubscriber
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    cfg = transport_config()
+    cfg.weights_port, cfg.weight_payload, cfg.weight_payload_port = 0, "socket", port
+    validate_transport_config(cfg, "transport")
+    got = []
+    with FlatPublisher(f"{cfg.host}:0", **publisher_kwargs(cfg)) as pub:
+        assert pub.payload_port == port
+        with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{port}"):
+            FlatPublisher(f"{cfg.host}:0", **publisher_kwargs(cfg))
+        sub = FlatSubscriber(pub.address, lambda v, p, pv: got.append(p["w"].copy()),
+                             **subscriber_kwargs(cfg))
+        pub.publish(0, {"w": np.arange(5000, dtype=np.float32)})
+        assert sub.wait_for_version(0, 10)
+        sub.close()
+        assert pub.payloads_sent == 1
+    np.testing.assert_array_equal(got[0], np.arange(5000, dtype=np.float32))
