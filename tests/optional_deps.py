@@ -2,7 +2,7 @@
 `optional(name)`, which skips the module, naming what installs it, when one is missing; with
 `CI=true` in the environment (.ci/run sets it) tests/conftest.py turns every skip into a
 failure, so CI skips nothing. Only tests marked with one of `CI_MAY_SKIP` (they need another
-Python with sglang-jax and an accelerator) may skip there."""
+Python with sglang-jax and an accelerator, or root for network namespaces) may skip there."""
 import importlib
 import os
 
@@ -11,7 +11,8 @@ import pytest
 # What installs each optional test dependency (setup.py's extras).
 OPTIONAL = {"torch": ".[dev]", "transformers": ".", "peft": ".[dev]",
             "tensorboardX": ".[dev]", "grpc_tools": ".[dev]"}
-CI_MAY_SKIP = ("sglang_real",)  # markers whose tests need hardware or a Python CI lacks
+# markers whose tests need hardware, a Python or privileges (network namespaces) CI may lack
+CI_MAY_SKIP = ("sglang_real", "netns")
 
 
 def in_ci() -> bool:

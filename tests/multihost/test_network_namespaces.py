@@ -15,7 +15,7 @@ import pytest
 
 from tests.pipeline_testlib import ROOT, TINY_FLAGS, make_init_checkpoint, read_jsonl, train_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
 STEPS = 4
 TOKEN = "netns-shared-token"
