@@ -151,7 +151,7 @@ class LeafSlots:
         places = [None] * len(leaves) if shardings is None else [
             v.get_value() for v in jax.tree_util.tree_leaves(shardings, is_leaf=_is_var)]
         self.names, self._count = list(names), len(leaves)
-        self._split = None  # the jitted split of a packed transfer (`_packed`), made once
+        self._split = self._replicated = None  # a packed transfer's split (`_packed`), made once
         self.positions = [index[n] for n in self.names]
         self.likes = [leaves[i][1].get_value() for i in self.positions]
         self.places = [places[i] if places[i] is not None or not isinstance(like, jax.Array)
@@ -159,7 +159,8 @@ class LeafSlots:
 
     def replace(self, state: nnx.State, flat: Mapping[str, object]) -> nnx.State:
         """`state` with `flat`'s values (exactly `names`) in their slots, placed with one
-        `device_put`; every other array is `state`'s own (no copy)."""
+        transfer (`_packed`, else one `device_put`); every other array is `state`'s own (no
+        copy)."""
         if set(flat) != set(self.names):
             raise WeightsMismatch(f"weights: missing {sorted(set(self.names) - set(flat))[:5]}"
                                   f", unknown {sorted(set(flat) - set(self.names))[:5]}")
@@ -173,7 +174,6 @@ class LeafSlots:
         for i, v in zip(self.positions, values):
             arrays[i] = v
         return jax.tree_util.tree_unflatten(treedef, arrays)
-
 
     def _packed(self, values: list) -> Optional[list]:
         """Host arrays of one dtype, all going to one mesh's devices, moved as ONE buffer (one
