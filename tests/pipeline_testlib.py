@@ -1,6 +1,7 @@
 """Helpers for end-to-end tests that run the real entry point (real processes, real gRPC)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -57,3 +58,16 @@ def run_train(workdir, *flags, timeout=600, check=True, env=None, config="defaul
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def stop_process_groups(procs) -> None:
+    """SIGTERM to every still-running process group (each started with
+    `start_new_session=True`), then SIGKILL to any that has not ended within 60 s."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)

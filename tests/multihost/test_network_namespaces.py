@@ -6,14 +6,14 @@ token: the run trains every step on B's groups, B receives the versions, and A's
 counts the payloads it sent over the link. Needs root (`ip netns`); skipped elsewhere."""
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
 
 import pytest
 
-from tests.pipeline_testlib import ROOT, TINY_FLAGS, make_init_checkpoint, read_jsonl, train_env
+from tests.pipeline_testlib import (ROOT, TINY_FLAGS, make_init_checkpoint, read_jsonl,
+                                    stop_process_groups, train_env)
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 
@@ -80,14 +80,7 @@ def test_socket_payload_between_two_network_namespaces(tmp_path, two_hosts):
         assert procs["learner"].wait(timeout=240) == 0, \
             (logs / "learner.log").read_text()[-3000:]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_process_groups(procs.values())
 
     trained = [b for b in read_jsonl(host_a / "run" / "batches.jsonl")
                if b["action"] == "trained"]

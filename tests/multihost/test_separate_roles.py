@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.pipeline_testlib import (ROOT, TINY_FLAGS, make_init_checkpoint, read_jsonl,
-                                    train_env)
+                                    stop_process_groups, train_env)
 from pipelinerl_jax.launch.learner_group import free_port
 
 pytestmark = pytest.mark.slow
@@ -78,14 +78,7 @@ def test_queue_learner_and_workers_started_by_hand(tmp_path):
         assert procs["evaluator"].wait(timeout=600) == 0, \
             (logs / "evaluator.log").read_text()[-3000:]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_process_groups(procs.values())
 
     rows = read_jsonl(metrics)
     assert max(r["step"] for r in rows) == STEPS
