@@ -19,8 +19,9 @@ the resolution of the loss-vs-loss comparisons at lags >= 4 (half-widths, minimu
 effects, the false positives their count implies) and the significant pairs; arms whose runs
 are identical number for number, and what each decoupled loss reduces to under the grid's
 settings; the ESS analysis (pipelinerl_jax/ablation/staleness.py). With two learning rates,
-also the drift table: each cell's accuracy drop beside its measured KL and ESS, and whether
-drift or lag predicts the drop. `--figures` also draws lag_ablation, diagnostics_by_lag,
+also the protocol's drift models (ablation/drift.py: the drop on log lag, log rate, both,
+and log(rate x lag), scored by leave-one-seed-out R²) and the drift table: each cell's
+accuracy drop beside its measured KL and ESS (outcomes of the run). `--figures` also draws lag_ablation, diagnostics_by_lag,
 ess_vs_drop and drop_vs_drift. `--json` prints the numbers as one JSON line as well.
 """
 import json
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from pipelinerl_jax.ablation import figures, protocol, results, staleness  # noqa: E402
+from pipelinerl_jax.ablation import drift, figures, protocol, results, staleness  # noqa: E402
 
 _RESULTS = flags.DEFINE_list("results", [], "Committed-table folders, grid or run directories.")
 _OUT = flags.DEFINE_string("out", "", "Markdown file to write (default: print only).")
@@ -161,9 +162,13 @@ def main(argv):
         cells = staleness.drift_cells({f"lr {lr:g}": staleness.main_arms(g)
                                        for lr, g in groups.items()})
         per = staleness.drift_vs_lag(cells)
-        parts += ["## Staleness as drift: accuracy drop vs measured KL, both learning rates",
-                  "", staleness.drift_markdown(cells, per), ""]
-        out_json["drift"] = {"cells": cells, "per_loss": per}
+        models = drift.drift_models(drift.seed_drops(
+            {lr: staleness.main_arms(g) for lr, g in groups.items()}))
+        parts += ["## Drift models: the drop from inputs set before the run (the protocol's)",
+                  "", drift.drift_models_markdown(models), "",
+                  "## Staleness as drift: accuracy drop vs measured KL (an outcome of each "
+                  "run, not an input)", "", staleness.drift_markdown(cells, per), ""]
+        out_json["drift"] = {"cells": cells, "per_loss": per, "models": models}
     text = "\n".join(parts)
     if _OUT.value:
         with open(_OUT.value, "w") as f:
