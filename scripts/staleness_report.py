@@ -174,6 +174,9 @@ def main(argv):
         with open(_OUT.value, "w") as f:
             f.write(text)
     print(text)
+    if _FIGURES.value and len(groups) > 1:
+        drift.published_terms_figure(drift.seed_drops(
+            {lr: staleness.main_arms(g) for lr, g in groups.items()}), _FIGURES.value)
     if _FIGURES.value:
         figures.make_all(_RESULTS.value, _FIGURES.value,
                          only=("lag_ablation", "diagnostics_by_lag", "ess_vs_drop",

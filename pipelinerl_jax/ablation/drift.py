@@ -105,3 +105,51 @@ def drift_models_markdown(per: Dict[str, dict]) -> str:
     out += ["", "Inputs set before each run only (its lag and learning rate); each seed's drop "
             "is predicted by the model fitted to the other seeds (leave-one-seed-out)."]
     return "\n".join(out)
+
+
+# Published runs' staleness in the same terms, learning rate x optimizer updates between the
+# policy that sampled and the one trained, read from the authors' released run scripts (Adam
+# in both; one entry per script, nothing estimated). AReaL is not here: its released launch
+# commands set the staleness (`max_head_offpolicyness=4`, 4 minibatches) but not the rate.
+PUBLISHED = (
+    # M2PO (arXiv 2510.01161), Infini-AI-Lab/M2PO train-scripts/m2po-qwen-math-7b-s{8,256}.sh:
+    # optim.lr=1e-6; stale_iteration 2 and 64 x ppo minibatches 4 = 8 and 256 updates
+    ("M2PO s8 (7B, lr 1e-6 x 8 updates)", 1e-6 * 8),
+    ("M2PO s256 (7B, lr 1e-6 x 256 updates)", 1e-6 * 256),
+)
+
+
+def published_terms_figure(rows: Sequence[dict], out: str,
+                           name: str = "drop_vs_rate_x_updates") -> str:
+    """Each cell's mean seed-paired drop (one line per loss, learning rates as markers)
+    against learning rate x updates (lag x 1 minibatch here), with the published runs'
+    products as vertical lines. Writes OUT/name.png (and .svg); returns the PNG's path."""
+    from pipelinerl_jax.ablation import plotting
+    if not rows:
+        raise plotting.Skip("no seed-paired drops")
+    cells: Dict[tuple, List[float]] = {}
+    for r in rows:
+        cells.setdefault((r["loss"], r["lr"], r["lag"]), []).append(r["drop"])
+    losses, rates = sorted({k[0] for k in cells}), sorted({k[1] for k in cells})
+    marks = "osD^v"
+    fig, ax = plotting.plt.subplots(figsize=(8, 5))
+    for color, loss in zip(plotting.colors(len(losses)), losses):
+        label = loss  # on the loss's first line only
+        for mark, lr in zip(marks, rates):
+            pts = sorted((lr * lag, 100 * float(np.mean(v)))
+                         for (l_, r_, lag), v in cells.items() if l_ == loss and r_ == lr)
+            if pts:
+                ax.plot(*zip(*pts), marker=mark, color=color, alpha=0.8, label=label)
+                label = None
+    for i, (label, x) in enumerate(PUBLISHED):
+        ax.axvline(x, color="0.3", linestyle=":" if i % 2 else "--", linewidth=1)
+        ax.text(x, 0.45, " " + label, transform=ax.get_xaxis_transform(),
+                fontsize=7, rotation=90, va="bottom")
+    ax.axhline(0, color="0.6", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate x optimizer updates of staleness (markers: "
+                  + ", ".join(f"{m} lr {lr:g}" for m, lr in zip(marks, rates)) + ")")
+    ax.set_ylabel("held-out accuracy vs lag 0, points (mean of seed pairs)")
+    ax.set_title("Staleness in step-size terms, with the published runs' settings")
+    ax.legend(fontsize=7, ncol=2)
+    return plotting.save(fig, out, name)

@@ -67,3 +67,10 @@ def test_markdown_names_every_model():
     for m in drift.MODELS:
         assert f"CV R², {m}" in text
     assert "| ppo | 120 | 10 |" in text
+
+
+def test_the_published_terms_figure_is_drawn(tmp_path):
+    rows = synthetic(lambda lr, lag: -0.04 * math.log(lr * lag / 5e-5))
+    path = drift.published_terms_figure(rows, str(tmp_path))
+    assert path.endswith("drop_vs_rate_x_updates.png") and (tmp_path / "drop_vs_rate_x_updates.svg").exists()
+    assert [x for _, x in drift.PUBLISHED] == [8e-6, 2.56e-4]  # lr 1e-6 x 8 and x 256 updates
