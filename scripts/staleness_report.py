@@ -158,12 +158,13 @@ def main(argv):
         out_json[f"{lr:g}"] = {"accuracy": staleness.accuracy_table(grid), "ess": ess,
                                "resolution": staleness.resolution(rows), "identical": same,
                                "reductions": notes, **extra}
+    drops = drift.seed_drops({lr: staleness.main_arms(g) for lr, g in groups.items()}) \
+        if len(groups) > 1 else []  # each seed's paired drop: the drift models and figure
     if len(groups) > 1:
         cells = staleness.drift_cells({f"lr {lr:g}": staleness.main_arms(g)
                                        for lr, g in groups.items()})
         per = staleness.drift_vs_lag(cells)
-        models = drift.drift_models(drift.seed_drops(
-            {lr: staleness.main_arms(g) for lr, g in groups.items()}))
+        models = drift.drift_models(drops)
         parts += ["## Drift models: the drop from inputs set before the run (the protocol's)",
                   "", drift.drift_models_markdown(models), "",
                   "## Staleness as drift: accuracy drop vs measured KL (an outcome of each "
@@ -175,8 +176,7 @@ def main(argv):
             f.write(text)
     print(text)
     if _FIGURES.value and len(groups) > 1:
-        drift.published_terms_figure(drift.seed_drops(
-            {lr: staleness.main_arms(g) for lr, g in groups.items()}), _FIGURES.value)
+        drift.published_terms_figure(drops, _FIGURES.value)
     if _FIGURES.value:
         figures.make_all(_RESULTS.value, _FIGURES.value,
                          only=("lag_ablation", "diagnostics_by_lag", "ess_vs_drop",
