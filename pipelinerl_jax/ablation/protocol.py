@@ -68,7 +68,9 @@ def power(effect: float, sd: float, n: int, alpha: float = ALPHA) -> float:
     df = n - 1
     crit = sps.t.ppf(1 - alpha / 2, df)
     nc = abs(effect) * math.sqrt(n) / sd
-    return float(sps.nct.sf(crit, df, nc) + sps.nct.cdf(-crit, df, nc))
+    # The lower tail P(T < -crit | nc) as the upper tail of the mirrored statistic: scipy's
+    # nct.cdf returns NaN far in that tail (e.g. nc 20 at 11 df), which broke `mde`'s bracket.
+    return float(sps.nct.sf(crit, df, nc) + sps.nct.sf(crit, df, -nc))
 
 
 def mde(sd: float, n: int, alpha: float = ALPHA, target: float = POWER) -> float:

@@ -37,6 +37,10 @@ def test_power_matches_the_published_value():
     d = protocol.mde(0.07, 30)
     assert protocol.power(d, 0.07, 30) == pytest.approx(0.8, abs=1e-6)
     assert protocol.mde(0.14, 30) == pytest.approx(2 * d, rel=1e-6)
+    # far tails: scipy's nct.cdf is NaN at nc ~20 with 11 df; power and the MDE stay finite
+    assert protocol.power(20.0, 6.83, 12) == pytest.approx(1.0)
+    d12 = protocol.mde(6.83, 12)
+    assert protocol.power(d12, 6.83, 12) == pytest.approx(0.8, abs=1e-6)
     # a stricter level needs more seeds
     assert protocol.seeds_for_power(0.05, 0.07, alpha=0.05 / 12) > \
         protocol.seeds_for_power(0.05, 0.07)
