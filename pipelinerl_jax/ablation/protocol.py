@@ -135,6 +135,9 @@ def _adjusted(rows: list) -> list:
     for r, q in zip(rows, holm([r["p"] for r in rows])):
         r["p_holm"] = q
         r["significant"] = bool(q < ALPHA)
+        # the MDE at Holm's first step (Bonferroni over the family): what the family's claim
+        # can detect for certain; the protocol's seed count was planned at this level
+        r["mde_family"] = mde(r["sd"], r["n"], alpha=ALPHA / len(rows))
     return rows
 
 
@@ -186,16 +189,19 @@ def planning_sd(rows: Sequence[dict]) -> float:
 def family_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
     """One row per comparison: difference with its 95% interval, MDE at 80% power, raw and
     Holm-adjusted p."""
-    out = ["| a | b | seeds | a - b (pts) | 95% CI | paired SD | MDE 80% | p | p (Holm) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| a | b | seeds | a - b (pts) | 95% CI | paired SD | MDE 80% | MDE 80%, 5%/m "
+           "| p | p (Holm) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "**" if r["significant"] else ""
         out.append(f"| {r['a']} @ {r['lag_a']} | {r['b']} @ {r['lag_b']} | {r['n']} | "
                    f"{mark}{r['diff'] * scale:+.1f}{mark} | [{(r['diff'] - r['half']) * scale:+.1f}, "
                    f"{(r['diff'] + r['half']) * scale:+.1f}] | {r['sd'] * scale:.1f} | "
-                   f"{r['mde'] * scale:.1f} | {r['p']:.3g} | {r['p_holm']:.3g} |")
+                   f"{r['mde'] * scale:.1f} | {r['mde_family'] * scale:.1f} | {r['p']:.3g} | "
+                   f"{r['p_holm']:.3g} |")
     sig = sum(r["significant"] for r in rows)
     out += ["", f"{len(rows)} comparisons, {sig} significant after Holm at 5% (bold). MDE: the "
                 f"true difference the paired t-test detects with 80% power at 5% two-sided, "
-                f"at the observed paired SD (noncentral t)."]
+                f"at the observed paired SD (noncentral t); at 5%/m, the same at the family's "
+                f"Bonferroni level (m = {len(rows)}, Holm's first step: every claim of the family "
+                f"has at least this power)."]
     return "\n".join(out) if rows else "No comparison of this family has >= 2 paired seeds."

@@ -84,6 +84,8 @@ def test_families_adjust_within_each_family_and_the_null_control_passes():
     for r in cost:  # Holm over the family's three tests
         assert r["p"] <= r["p_holm"] <= min(1.0, 3 * r["p"]) + 1e-15
         assert r["half"] > 0 and math.isfinite(r["mde"])
+        assert r["mde_family"] == pytest.approx(protocol.mde(r["sd"], r["n"], alpha=0.05 / 3))
+        assert r["mde_family"] > r["mde"]
     vs = protocol.versus_reference(grid, fn, ["reinforce", "ppo", "tis"], [8])
     assert [r["a"] for r in vs] == ["reinforce", "tis"] and all(r["b"] == "ppo" for r in vs)
     text = protocol.family_markdown(cost)
