@@ -111,6 +111,14 @@ REFERENCE_ARM = "ppo"  # PPO-clip: the contrast the M2PO paper and AReaL report
 # (`loss.baseline='opob'`, the default): its baseline weights each sequence's reward by its
 # own gradient norm, so even on-policy its advantages are not the group's plain centring.
 NOT_NULL = ("gspo", "vcpo")
+# At several minibatches the later minibatches see a moved policy, so reinforce (no ratio),
+# tis (a truncated ratio, no clip) and the PPO family take different updates even at lag 0.
+# Within the PPO family they still agree: each clips r = pi/pi_old and weights by the
+# behaviour weight pi_prox/mu, which is 1 on-policy (the proximal policy is the behaviour
+# policy), so decoupled_ppo, staleness_clip (its cap on that weight never binds) and icepop
+# (nothing falls outside its band) are PPO-clip. tests/learner/test_null_update.py checks
+# both statements through the train step.
+NULL_AT_ANY_MINIBATCHES = ("ppo", "decoupled_ppo", "staleness_clip", "icepop")
 
 
 def _pair(grid, fn, a: str, ka: int, b: str, kb: int, family: str) -> Optional[dict]:
@@ -155,22 +163,34 @@ def versus_reference(grid, fn, arms: Sequence[str], lags: Sequence[int],
 
 
 def null_arms(grid) -> list:
-    """The arms of `grid` that take the identical update at lag 0 in exact arithmetic."""
-    return [a for a in sorted(grid) if 0 in grid[a] and a.split(" (")[0] not in NOT_NULL
-            and _one_minibatch(grid[a][0])]
+    """The arms of `grid` that take the identical update at lag 0 in exact arithmetic: at
+    one minibatch every arm but `NOT_NULL`, at several the `NULL_AT_ANY_MINIBATCHES` family
+    (an arm whose lag-0 runs mix minibatch counts is none)."""
+    out = []
+    for a in sorted(grid):
+        name, k = a.split(" (")[0], _minibatches(grid[a].get(0, {}))
+        if name in NOT_NULL or k is None:
+            continue
+        if k == 1 or name in NULL_AT_ANY_MINIBATCHES:
+            out.append(a)
+    return out
 
 
-def _one_minibatch(cell) -> bool:
-    return all(int(r.get("learner.minibatches", 1) or 1) == 1 for r in cell.values())
+def _minibatches(cell) -> Optional[int]:
+    """The minibatch count of a cell's runs (None: no runs, or runs that disagree)."""
+    counts = {int(r.get("learner.minibatches", 1) or 1) for r in cell.values()}
+    return counts.pop() if len(counts) == 1 else None
 
 
 def null_control(grid, fn) -> list:
-    """Family 0: every pair of `null_arms` at lag 0. In exact arithmetic they are one update,
-    so a sound test finds nothing here after Holm (their runs differ only by the float
-    rounding of ratios that are 1, which the trajectories then amplify)."""
+    """Family 0: every pair of `null_arms` at lag 0 with the same minibatch count. In exact
+    arithmetic they are one update, so a sound test finds nothing here after Holm (their runs
+    differ only by the float rounding of ratios that are 1, which the trajectories then
+    amplify)."""
     arms = null_arms(grid)
     return _adjusted([_pair(grid, fn, a, 0, b, 0, "null control (lag 0)")
-                      for i, a in enumerate(arms) for b in arms[i + 1:]])
+                      for i, a in enumerate(arms) for b in arms[i + 1:]
+                      if _minibatches(grid[a][0]) == _minibatches(grid[b][0])])
 
 
 def all_pairs(grid, fn, lag: int) -> list:

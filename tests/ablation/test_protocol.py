@@ -75,9 +75,11 @@ def test_families_adjust_within_each_family_and_the_null_control_passes():
     grid, fn = _grid(), (lambda r: r.acc)
     null = protocol.null_control(grid, fn)
     # gspo and vcpo (its OPOB baseline) are different updates on-policy; a 4-minibatch arm
-    # is another setting
-    assert protocol.null_arms(grid) == ["ppo", "reinforce", "tis"]
+    # of the PPO family is a null arm of its own setting, paired with none of the others
+    assert protocol.null_arms(grid) == ["decoupled_ppo (minibatches=4)", "ppo", "reinforce",
+                                        "tis"]
     assert len(null) == 3 and not any(r["significant"] for r in null)
+    assert all("minibatches" not in r["a"] + r["b"] for r in null)
     cost = protocol.staleness_cost(grid, fn, ["reinforce", "ppo", "tis"], [8])
     assert [r["a"] for r in cost] == ["reinforce", "ppo", "tis"]
     assert [r["significant"] for r in cost] == [True, False, True]
@@ -90,3 +92,22 @@ def test_families_adjust_within_each_family_and_the_null_control_passes():
     assert [r["a"] for r in vs] == ["reinforce", "tis"] and all(r["b"] == "ppo" for r in vs)
     text = protocol.family_markdown(cost)
     assert "p (Holm)" in text and "2 significant after Holm" in text
+
+
+def test_at_several_minibatches_only_the_ppo_family_is_null():
+    """The 4-minibatch grid (`:mb4`): ppo, decoupled_ppo and staleness_clip are one update at
+    lag 0 (tests/learner/test_null_update.py checks it through the train step); reinforce
+    and tis are not, and an arm whose lag-0 runs mix minibatch counts is no null arm."""
+    rng = np.random.default_rng(2)
+    base = rng.uniform(0.3, 0.6, 12)
+
+    def cell(mb, shift=0.0):
+        return {s: _Run(base[s] + shift + rng.normal(0, 0.002), mb=mb) for s in range(12)}
+    mixed = cell(4)
+    mixed[0] = _Run(base[0], mb=1)
+    grid = {a: {0: cell(4)} for a in ("ppo", "decoupled_ppo", "staleness_clip", "reinforce",
+                                      "tis")}
+    grid["icepop"] = {0: mixed}
+    assert protocol.null_arms(grid) == ["decoupled_ppo", "ppo", "staleness_clip"]
+    null = protocol.null_control(grid, lambda r: r.acc)
+    assert len(null) == 3 and not any(r["significant"] for r in null)
