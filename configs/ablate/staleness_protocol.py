@@ -16,6 +16,8 @@ each, every one in the single-process lag-injected mode but `:async` (real async
   drift       learning rate {5e-5, 1e-4, 2e-4} x lags {0, 4, 8, 16, 32} x 5 losses, 10 seeds:
               the inputs set before the run (rate, lag) for the drift models
   countdown   external validity: the key comparisons on the countdown task, 160 steps
+              (countdown and sort are not run: their feasibility pilots failed, docs/
+              staleness_study.md, Deviations 2026-12-05)
   sort        external validity: on the `sort` string task, 160 steps
   large       external validity: a 5.2M-parameter model (13x), the default task, 160 steps
 
