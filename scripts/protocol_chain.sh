@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The pre-registered staleness grids in the order docs/staleness_study.md (Deviations,
+# 2026-12-05) fixes, each from the frozen worktree WT (commit 23f2b3c), results in W:
+#   bash scripts/protocol_chain.sh W WT [PID]
+# '' to its 32 seeds, then mb4 to its 30, then the secondary grids seed-major (seed s of
+# varlag, async, sweep, drift and large before seed s+1 of any). countdown and sort are not
+# run (their feasibility pilots failed). Finished runs are skipped, so it resumes; with PID it
+# first waits for that process (a runner already going) to end. Runs at nice 19.
+set -euo pipefail
+W=$(realpath "$1"); WT=$(realpath "$2"); PID=${3:-}
+if [ -n "$PID" ]; then while kill -0 "$PID" 2>/dev/null; do sleep 20; done; fi
+cd "$WT"
+[ "$(git rev-parse --short=7 HEAD)" = 23f2b3c ] || { echo "WT is not at 23f2b3c" >&2; exit 1; }
+grid() {  # grid first_seed last_seed
+  echo "=== $(date -u +%H:%M:%S) chain: $1 seeds $2-$3"
+  GRIDS=protocol ONLY="$1" nice -n 19 bash scripts/staleness_study.sh "$W" "$2" "$3"
+}
+grid main 0 31
+grid mb4 0 29
+for seed in $(seq 0 31); do
+  for g in varlag async sweep drift large; do grid "$g" "$seed" "$seed"; done
+done
+echo "=== $(date -u +%H:%M:%S) chain: done"
