@@ -2,9 +2,12 @@
 import os
 import subprocess
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # starts a process
 def test_the_chain_refuses_a_worktree_not_at_the_frozen_commit(tmp_path):
     # this checkout is not 23f2b3c: nothing may run from it
     out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "protocol_chain.sh"),
