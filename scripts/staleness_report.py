@@ -21,8 +21,9 @@ are identical number for number, and what each decoupled loss reduces to under t
 settings; the ESS analysis (pipelinerl_jax/ablation/staleness.py). With two learning rates,
 also the protocol's drift models (ablation/drift.py: the drop on log lag, log rate, both,
 and log(rate x lag), scored by leave-one-seed-out R²) and the drift table: each cell's
-accuracy drop beside its measured KL and ESS (outcomes of the run). `--figures` also draws lag_ablation, diagnostics_by_lag,
-ess_vs_drop and drop_vs_drift. `--json` prints the numbers as one JSON line as well.
+accuracy drop beside its measured KL and ESS (outcomes of the run). `--figures` also draws
+lag_ablation, diagnostics_by_lag, ess_vs_drop and drop_vs_drift (and, with two rates,
+drop_vs_rate_x_updates). `--json` prints the numbers as one JSON line as well.
 """
 import json
 import os
@@ -158,9 +159,9 @@ def main(argv):
         out_json[f"{lr:g}"] = {"accuracy": staleness.accuracy_table(grid), "ess": ess,
                                "resolution": staleness.resolution(rows), "identical": same,
                                "reductions": notes, **extra}
-    drops = drift.seed_drops({lr: staleness.main_arms(g) for lr, g in groups.items()}) \
-        if len(groups) > 1 else []  # each seed's paired drop: the drift models and figure
+    drops = []  # each seed's paired drop: the drift models and the published-terms figure
     if len(groups) > 1:
+        drops = drift.seed_drops({lr: staleness.main_arms(g) for lr, g in groups.items()})
         cells = staleness.drift_cells({f"lr {lr:g}": staleness.main_arms(g)
                                        for lr, g in groups.items()})
         per = staleness.drift_vs_lag(cells)
@@ -175,7 +176,7 @@ def main(argv):
         with open(_OUT.value, "w") as f:
             f.write(text)
     print(text)
-    if _FIGURES.value and len(groups) > 1:
+    if _FIGURES.value and drops:
         drift.published_terms_figure(drops, _FIGURES.value)
     if _FIGURES.value:
         figures.make_all(_RESULTS.value, _FIGURES.value,
