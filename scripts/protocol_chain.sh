@@ -6,11 +6,17 @@
 # varlag, async, sweep, drift and large before seed s+1 of any). countdown and sort are not
 # run (their feasibility pilots failed). Finished runs are skipped, so it resumes; with PID it
 # first waits for that process (a runner already going) to end. Runs at nice 19.
+# The runs this checkout committed (results/staleness_protocol) are copied into WT (untracked
+# there, so WT stays at the frozen commit) and skipped (FINISHED=1): a machine whose W was
+# lost between sittings resumes where the committed export ends, never re-running a seed.
 set -euo pipefail
 W=$(realpath "$1"); WT=$(realpath "$2"); PID=${3:-}
+HERE=$(dirname "$(dirname "$(realpath "$0")")")
 if [ -n "$PID" ]; then while kill -0 "$PID" 2>/dev/null; do sleep 20; done; fi
 cd "$WT"
 [ "$(git rev-parse --short=7 HEAD)" = 23f2b3c ] || { echo "WT is not at 23f2b3c" >&2; exit 1; }
+if [ "$HERE" != "$WT" ]; then mkdir -p results && cp -r "$HERE/results/staleness_protocol" results/; fi
+export FINISHED=1
 grid() {  # grid first_seed last_seed
   echo "=== $(date -u +%H:%M:%S) chain: $1 seeds $2-$3"
   GRIDS=protocol ONLY="$1" nice -n 19 bash scripts/staleness_study.sh "$W" "$2" "$3"
