@@ -47,6 +47,10 @@ _ARMS = flags.DEFINE_list("confirm_arms", list(protocol.KEY_ARMS),
                           "The protocol's key arms (families 1 and 2; those present).")
 _LAGS = flags.DEFINE_list("confirm_lags", [str(k) for k in protocol.CONFIRM_LAGS],
                           "The protocol's confirmatory lags (families 1 and 2).")
+_POSTHOC = flags.DEFINE_list(
+    "posthoc", [], "Secondary contrasts chosen after reading the families, each arm@lag terms "
+    "joined by + or - (e.g. vcpo@0-ppo@0, vcpo@8-vcpo@0-ppo@8+ppo@0): printed with their "
+    "intervals and raw p, labelled post hoc, never in a family.")
 
 
 def protocol_section(grid, lr) -> tuple:
@@ -75,6 +79,27 @@ def protocol_section(grid, lr) -> tuple:
               "### Family 2: each key arm vs PPO-clip at the same lag", "",
               protocol.family_markdown(fams["vs PPO-clip"]), ""]
     return lines, {k: v for k, v in fams.items()}
+
+
+def posthoc_section(grid, fn=staleness.final_accuracy) -> tuple:
+    """The `--posthoc` contrasts on the primary endpoint: (markdown lines, JSON rows)."""
+    base = {a.split(" (")[0]: a for a in grid}
+    rows = []
+    for text in _POSTHOC.value:
+        terms = [(c, base.get(a, a), k) for c, a, k in protocol.parse_contrast(text)]
+        rows.append({"contrast": text, **(protocol.contrast(grid, fn, terms) or {"n": 0})})
+    lines = ["### Post-hoc contrasts (chosen after reading the families: secondary, no "
+             "correction)", "", "| contrast | seeds | mean (pts) | 95% CI | paired SD | "
+             "MDE 80% | p |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["n"]:
+            lines.append(f"| {r['contrast']} | 0 | | | | | |")
+            continue
+        lo, hi = (r["diff"] - r["half"]) * 100, (r["diff"] + r["half"]) * 100
+        lines.append(f"| {r['contrast']} | {r['n']} | {r['diff'] * 100:+.1f} | "
+                     f"[{lo:+.1f}, {hi:+.1f}] | {r['sd'] * 100:.1f} | {r['mde'] * 100:.1f} | "
+                     f"{r['p']:.3g} |")
+    return lines + [""], rows
 
 
 def provenance_section(runs) -> tuple:
@@ -152,10 +177,13 @@ def main(argv):
                   staleness.resolution_markdown(rows), "",
                   "Significant pairs:", "", staleness.pairwise_markdown(rows), "",
                   *curve, *rescored,
+                  *(posthoc_section(main)[0] if _POSTHOC.value else []),
                   "### Arms that are the same update", "",
                   staleness.identical_markdown(same, notes), "",
                   "### Does the ESS of the stalest lag bucket predict the drop?", "",
                   staleness.ess_markdown(ess), ""]
+        if _POSTHOC.value:
+            extra["posthoc"] = posthoc_section(main)[1]
         out_json[f"{lr:g}"] = {"accuracy": staleness.accuracy_table(grid), "ess": ess,
                                "resolution": staleness.resolution(rows), "identical": same,
                                "reductions": notes, **extra}

@@ -121,21 +121,46 @@ NOT_NULL = ("gspo", "vcpo")
 NULL_AT_ANY_MINIBATCHES = ("ppo", "decoupled_ppo", "staleness_clip", "icepop")
 
 
-def _pair(grid, fn, a: str, ka: int, b: str, kb: int, family: str) -> Optional[dict]:
-    """The seed-paired comparison of arm `a` at lag `ka` with arm `b` at lag `kb`."""
-    va = {s: fn(r) for s, r in grid.get(a, {}).get(ka, {}).items()}
-    vb = {s: fn(r) for s, r in grid.get(b, {}).get(kb, {}).items()}
-    seeds = sorted(s for s in set(va) & set(vb)
-                   if va[s] is not None and vb[s] is not None
-                   and math.isfinite(va[s]) and math.isfinite(vb[s]))
+def contrast(grid, fn, terms: Sequence[tuple], family: str = "post hoc") -> Optional[dict]:
+    """A seed-paired linear contrast: per seed, sum of coef * fn(run of `arm` at `lag`) over
+    `terms` = [(coef, arm, lag), ...], over the seeds where every term has a finite value;
+    its mean with the 95% t-interval, paired SD, raw p and MDE (None below 2 seeds)."""
+    vals = [{s: fn(r) for s, r in grid.get(a, {}).get(k, {}).items()} for _, a, k in terms]
+    seeds = sorted(s for s in set.intersection(*(set(v) for v in vals))
+                   if all(v[s] is not None and math.isfinite(v[s]) for v in vals))
     if len(seeds) < 2:
         return None
-    d = np.asarray([va[s] - vb[s] for s in seeds], float)
+    d = np.asarray([sum(c * v[s] for (c, _, _), v in zip(terms, vals)) for s in seeds], float)
     n, sd = d.size, float(d.std(ddof=1))
     half = float(sps.t.ppf(1 - ALPHA / 2, n - 1) * sd / math.sqrt(n))
-    return {"family": family, "a": a, "lag_a": ka, "b": b, "lag_b": kb, "n": n,
-            "diff": float(d.mean()), "half": half, "sd": sd, "p": paired_p(d),
-            "mde": mde(sd, n)}
+    return {"family": family, "n": n, "diff": float(d.mean()), "half": half, "sd": sd,
+            "p": paired_p(d), "mde": mde(sd, n)}
+
+
+def _pair(grid, fn, a: str, ka: int, b: str, kb: int, family: str) -> Optional[dict]:
+    """The seed-paired comparison of arm `a` at lag `ka` with arm `b` at lag `kb`."""
+    row = contrast(grid, fn, [(1, a, ka), (-1, b, kb)], family)
+    return row and {"a": a, "lag_a": ka, "b": b, "lag_b": kb, **row}
+
+
+def parse_contrast(text: str) -> list:
+    """'vcpo@8-vcpo@0-ppo@8+ppo@0' -> [(1, 'vcpo', 8), (-1, 'vcpo', 0), (-1, 'ppo', 8),
+    (1, 'ppo', 0)]: arm@lag terms joined by + or - (ValueError naming the bad term)."""
+    terms, sign, cur = [], 1, ""
+    for ch in text.replace(" ", "") + "+":
+        if ch in "+-" and cur:
+            arm, at, lag = cur.rpartition("@")
+            if not (arm and at and lag.isdigit()):
+                raise ValueError(f"contrast {text!r}: term {cur!r} is not arm@lag")
+            terms.append((sign, arm, int(lag)))
+            sign, cur = (1 if ch == "+" else -1), ""
+        elif ch in "+-":
+            sign = 1 if ch == "+" else -1
+        else:
+            cur += ch
+    if not terms:
+        raise ValueError(f"contrast {text!r}: no arm@lag term")
+    return terms
 
 
 def _adjusted(rows: list) -> list:

@@ -111,3 +111,29 @@ def test_at_several_minibatches_only_the_ppo_family_is_null():
     assert protocol.null_arms(grid) == ["decoupled_ppo", "ppo", "staleness_clip"]
     null = protocol.null_control(grid, lambda r: r.acc)
     assert len(null) == 3 and not any(r["significant"] for r in null)
+
+
+def test_a_post_hoc_contrast_is_the_paired_t_test_of_its_per_seed_combination():
+    """`contrast` over an interaction (arm x lag), against scipy on the per-seed values, over
+    the seeds every term has; `parse_contrast` reads the report's --posthoc strings."""
+    grid, fn = _grid(), (lambda r: r.acc)
+    del grid["ppo"][8][3]  # a seed one term lacks drops out of the contrast
+    terms = protocol.parse_contrast("vcpo@8 - vcpo@0 - ppo@8 + ppo@0")
+    assert terms == [(1, "vcpo", 8), (-1, "vcpo", 0), (-1, "ppo", 8), (1, "ppo", 0)]
+    row = protocol.contrast(grid, fn, terms)
+    seeds = [s for s in range(8) if s != 3]
+    d = [grid["vcpo"][8][s].acc - grid["vcpo"][0][s].acc - grid["ppo"][8][s].acc
+         + grid["ppo"][0][s].acc for s in seeds]
+    assert row["n"] == 7 and row["diff"] == pytest.approx(np.mean(d))
+    assert row["p"] == pytest.approx(sps.ttest_1samp(d, 0).pvalue)
+    lo, hi = sps.t.interval(0.95, 6, loc=np.mean(d), scale=sps.sem(d))
+    assert row["diff"] - row["half"] == pytest.approx(lo)
+    assert row["diff"] + row["half"] == pytest.approx(hi)
+    # two terms are the families' paired comparison
+    pair = protocol.staleness_cost(grid, fn, ["tis"], [8])[0]
+    two = protocol.contrast(grid, fn, protocol.parse_contrast("tis@8-tis@0"))
+    assert two["diff"] == pair["diff"] and two["p"] == pair["p"]
+    assert protocol.contrast(grid, fn, [(1, "absent", 8), (-1, "ppo", 8)]) is None
+    for bad in ("vcpo-ppo@0", "vcpo@x", ""):
+        with pytest.raises(ValueError, match="contrast"):
+            protocol.parse_contrast(bad)

@@ -211,10 +211,12 @@ def test_scripts_on_committed_tables(tmp_path):
     out = tmp_path / "table.md"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "staleness_report.py"),
                            f"--results={folder}", f"--out={out}",
-                           f"--figures={tmp_path / 'figs'}"],
+                           f"--figures={tmp_path / 'figs'}", "--posthoc=tis@8-tis@0,absent@8"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| tis |" in out.read_text() and "ESS" in out.read_text()
+    assert "Post-hoc contrasts" in out.read_text() and "| absent@8 | 0 |" in out.read_text()
+    assert "| tis@8-tis@0 | 3 |" in out.read_text()
     for name in ("lag_ablation", "diagnostics_by_lag", "ess_vs_drop"):
         assert (tmp_path / "figs" / f"{name}.png").exists(), done.stderr
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "repro_verdict.py"),
