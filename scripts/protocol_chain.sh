@@ -9,6 +9,10 @@
 # The runs this checkout committed (results/staleness_protocol) are copied into WT (untracked
 # there, so WT stays at the frozen commit) and skipped (FINISHED=1): a machine whose W was
 # lost between sittings resumes where the committed export ends, never re-running a seed.
+# The body is one block, parsed whole before it runs: bash reads a script as it goes, so an
+# edit to this file under a running chain (a checkout, a commit) would otherwise cut it off
+# mid-line (sitting 16: it stopped after '' with a syntax error).
+{
 set -euo pipefail
 W=$(realpath "$1"); WT=$(realpath "$2"); PID=${3:-}
 HERE=$(dirname "$(dirname "$(realpath "$0")")")
@@ -27,3 +31,5 @@ for seed in $(seq 0 31); do
   for g in varlag async sweep drift large; do grid "$g" "$seed" "$seed"; done
 done
 echo "=== $(date -u +%H:%M:%S) chain: done"
+exit
+}
