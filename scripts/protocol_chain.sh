@@ -7,7 +7,8 @@
 # run (their feasibility pilots failed). Finished runs are skipped, so it resumes; with PID it
 # first waits for that process (a runner already going) to end. Runs at nice 19.
 # The runs this checkout committed (results/staleness_protocol) are copied into WT (untracked
-# there, so WT stays at the frozen commit) and skipped (FINISHED=1): a machine whose W was
+# there, so WT stays at the frozen commit) and skipped (FINISHED=1 for each grid that has
+# committed runs): a machine whose W was
 # lost between sittings resumes where the committed export ends, never re-running a seed.
 # The body is one block, parsed whole before it runs: bash reads a script as it goes, so an
 # edit to this file under a running chain (a checkout, a commit) would otherwise cut it off
@@ -18,12 +19,15 @@ W=$(realpath "$1"); WT=$(realpath "$2"); PID=${3:-}
 HERE=$(dirname "$(dirname "$(realpath "$0")")")
 if [ -n "$PID" ]; then while kill -0 "$PID" 2>/dev/null; do sleep 20; done; fi
 cd "$WT"
-[ "$(git rev-parse --short=7 HEAD)" = 23f2b3c ] || { echo "WT is not at 23f2b3c" >&2; exit 1; }
+FROZEN=${FROZEN:-23f2b3c}  # the protocol's commit (a test points it at a fake worktree)
+[ "$(git rev-parse --short=7 HEAD)" = "$FROZEN" ] || { echo "WT is not at $FROZEN" >&2; exit 1; }
 if [ "$HERE" != "$WT" ]; then mkdir -p results && cp -r "$HERE/results/staleness_protocol" results/; fi
-export FINISHED=1
 grid() {  # grid first_seed last_seed
   echo "=== $(date -u +%H:%M:%S) chain: $1 seeds $2-$3"
-  GRIDS=protocol ONLY="$1" nice -n 19 bash scripts/staleness_study.sh "$W" "$2" "$3"
+  # skip the committed runs of a grid that has some (the runner refuses an empty folder)
+  local fin=""; [ -f "results/staleness_protocol/$1/runs.csv" ] && fin=1
+  FINISHED="$fin" GRIDS=protocol ONLY="$1" nice -n 19 bash scripts/staleness_study.sh \
+    "$W" "$2" "$3"
 }
 grid main 0 31
 grid mb4 0 29

@@ -35,3 +35,40 @@ def test_an_edit_under_a_running_chain_does_not_cut_it_off(tmp_path):
     waited.wait()
     out, err = chain.communicate(timeout=60)
     assert chain.returncode == 1 and "not at 23f2b3c" in err, (out, err)
+
+
+@pytest.mark.slow  # starts processes
+def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_runs(tmp_path):
+    """Against a fake worktree (its own commit as FROZEN, a staleness_study.sh that records
+    its calls): '' then mb4 whole, then the secondary grids seed-major; the committed runs
+    are copied into the worktree and FINISHED is set only for a grid that has some (the
+    runner refuses a finished_tables folder without runs.csv)."""
+    here = tmp_path / "checkout"
+    (here / "scripts").mkdir(parents=True)
+    (here / "scripts" / "protocol_chain.sh").write_text(
+        open(os.path.join(ROOT, "scripts", "protocol_chain.sh")).read())
+    (here / "results" / "staleness_protocol" / "main").mkdir(parents=True)
+    (here / "results" / "staleness_protocol" / "main" / "runs.csv").write_text("run\n")
+    wt = tmp_path / "wt"
+    (wt / "scripts").mkdir(parents=True)
+    (wt / "scripts" / "staleness_study.sh").write_text(
+        'echo "call ONLY=$ONLY FINISHED=${FINISHED:-} GRIDS=$GRIDS $2-$3 nice=$(nice)"\n')
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(wt)]
+    subprocess.run(git[:5] + ["init", "-q", str(wt)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "frozen"], check=True)
+    sha = subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    out = subprocess.run(["bash", str(here / "scripts" / "protocol_chain.sh"),
+                          str(tmp_path / "w"), str(wt)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, FROZEN=sha, FINISHED=""))
+    assert out.returncode == 0, out.stderr
+    calls = [line.split(" ", 1)[1] for line in out.stdout.splitlines()
+             if line.startswith("call ")]
+    secondary = [f"ONLY={g} FINISHED= GRIDS=protocol {s}-{s} nice=19" for s in range(32)
+                 for g in ("varlag", "async", "sweep", "drift", "large")]
+    assert calls == ["ONLY=main FINISHED=1 GRIDS=protocol 0-31 nice=19",
+                     "ONLY=mb4 FINISHED= GRIDS=protocol 0-29 nice=19"] + secondary
+    assert (wt / "results" / "staleness_protocol" / "main" / "runs.csv").exists()
+    assert subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() == sha
