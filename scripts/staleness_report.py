@@ -173,6 +173,7 @@ def main(argv):
         parts += [f"## Learning rate {lr:g}", "",
                   "### Final held-out accuracy vs injected lag", "",
                   staleness.accuracy_markdown(grid), "",
+                  "### Collapsed runs", "", staleness.collapse_markdown(grid), "",
                   "### Resolution: every loss-vs-loss comparison at lag >= 4", "",
                   staleness.resolution_markdown(rows), "",
                   "Significant pairs:", "", staleness.pairwise_markdown(rows), "",

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from pipelinerl_jax.ablation import stats
-from pipelinerl_jax.ablation.results import Run, stalest_diagnostics
+from pipelinerl_jax.ablation.results import Run, stalest_diagnostics, summarize_run
 
 ESS_THRESHOLD = 0.5
 
@@ -193,6 +193,28 @@ def accuracy_markdown(grid: Grid, fn=final_accuracy, scale: float = 100.0) -> st
                f"over seeds (n = {'/'.join(map(str, seeds))} per cell, n-1 df). **Bold** ↓/↑: "
                f"the paired-by-seed 95% interval of the difference to the same loss at lag 0 "
                f"excludes 0.")
+    return "\n".join(out)
+
+
+def collapse_markdown(grid: Grid) -> str:
+    """Markdown: loss x lag, the runs that collapsed out of the cell's runs (results.
+    summarize_run's `collapsed`: a non-finite step, a held-out evaluation below half the
+    warm start's, or a diverged run), and the total."""
+    lags = sorted({k for cells in grid.values() for k in cells})
+    out = ["| loss | " + " | ".join(f"lag {k}" for k in lags) + " |",
+           "|---|" + "---|" * len(lags)]
+    total = n = 0
+    for loss in _order(grid):
+        cells = []
+        for k in lags:
+            runs = list(grid[loss].get(k, {}).values())
+            bad = sum(bool(summarize_run(r, None)["collapsed"]) for r in runs)
+            total, n = total + bad, n + len(runs)
+            cells.append(f"{bad}/{len(runs)}" if runs else "")
+        out.append(f"| {loss} | " + " | ".join(cells) + " |")
+    out += ["", f"Collapsed runs / runs per cell ({total} of {n}): a run collapsed when a step "
+                "was non-finite, a held-out evaluation fell below half the warm start's "
+                "accuracy, or it diverged (results.summarize_run)."]
     return "\n".join(out)
 
 

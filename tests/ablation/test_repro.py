@@ -226,3 +226,15 @@ def test_scripts_on_committed_tables(tmp_path):
     assert "verdict: reproduced" in done.stdout  # m2po_stale
     assert done.stdout.count("insufficient data") == 3  # + m2po_stale_long
     assert (tmp_path / "rf" / "repro_m2po_stale.png").exists()
+
+
+def test_the_report_counts_collapsed_runs_per_cell(tmp_path):
+    """A cell whose runs fall below half the warm start's accuracy counts them; the others
+    count none (the committed protocol report lists these so no collapse goes unmentioned)."""
+    folder = _tables(tmp_path, [("tis", "tis", {0: {}, 8: dict(drop=0.35)}, {}),
+                                ("ppo", "ppo", {0: {}, 8: dict(drop=0.05)}, {})])
+    runs, _ = results.load_runs([folder])
+    (grid,) = staleness.by_learning_rate(runs).values()
+    text = staleness.collapse_markdown(staleness.main_arms(grid))
+    assert "| tis | 0/3 | 3/3 |" in text and "| ppo | 0/3 | 0/3 |" in text
+    assert "(3 of 12)" in text
