@@ -35,8 +35,8 @@ from pipelinerl_jax.ablation.plotting import colors as _colors
 from pipelinerl_jax.ablation.plotting import save as _save
 from pipelinerl_jax.ablation.plotting import smooth as _smooth
 from pipelinerl_jax.ablation.results import (LAG_BUCKETS, Run, lag_hist, load_run, load_runs,
-                                             raw_dir, response_lengths, summarize_run)
-from pipelinerl_jax.ablation.staleness import loss_label
+                                             raw_dir, response_lengths)
+from pipelinerl_jax.ablation.staleness import collapsed_runs, loss_label
 from pipelinerl_jax.metrics import read_jsonl
 
 __all__ = ["FIGURES", "Skip", "make_all"]
@@ -185,7 +185,7 @@ def lag_ablation(runs: Sequence[Run], out: str) -> dict:
                     ms=4, lw=1.4, capsize=2, label=loss)
         ax_kl.errorbar(x, [k[0] for k in kl], yerr=[k[1] for k in kl], color=color,
                        marker="o", ms=4, lw=1.4, capsize=2)
-        bad = [(xx, a[0]) for xx, k, a in zip(x, ks, acc) if any(map(_collapsed, by_lag[k]))]
+        bad = [(xx, a[0]) for xx, k, a in zip(x, ks, acc) if collapsed_runs(by_lag[k])]
         if bad:
             ax.plot(*zip(*bad), "x", color="k", ms=7)
         facts["losses"][loss] = {str(k): {"final_eval_accuracy_mean": a[0],
@@ -217,9 +217,6 @@ def _mean_metric(r: Run, key: str) -> Optional[float]:
     return float(v.mean()) if v.size else None
 
 
-def _collapsed(r: Run) -> bool:
-    """Non-finite steps, an accuracy collapse or a diverged run (results.py)."""
-    return summarize_run(r, None)["collapsed"]
 
 
 def _bucket_mean(rs: Sequence[Run], b: str, name: str) -> Optional[float]:

@@ -26,7 +26,7 @@ import numpy as np
 from pipelinerl_jax.ablation import stats
 from pipelinerl_jax.ablation.results import Run, summarize_run
 from pipelinerl_jax.ablation.staleness import (Grid, by_learning_rate, cell_interval,
-                                               per_seed, versus)
+                                               collapsed_runs, per_seed, versus)
 
 UNCAPPED = 1e3  # a tis cap at or above this never binds here: unclipped importance weighting
 KL_WINDOW = 10  # steps averaged for the early and late KL
@@ -179,10 +179,6 @@ def _mean(values) -> Optional[float]:
     return float(np.mean(v)) if v else None
 
 
-def _collapsed(cell: Dict[int, Run]) -> int:
-    return sum(bool(summarize_run(r, None)["collapsed"]) for r in cell.values())
-
-
 def _drift_flagged(cell: Dict[int, Run]) -> int:
     return sum(bool(summarize_run(r, None)["drift_flag"]) for r in cell.values())
 
@@ -205,7 +201,7 @@ def measure_m2po(grid: Grid) -> dict:
     k = max(big)
     rows = [_acc_row(grid, arm, lag) for arm in forms + ["tis"] for lag in lags]
     for row in rows:
-        row["collapsed_runs"] = _collapsed(grid[row["arm"]][row["lag"]])
+        row["collapsed_runs"] = collapsed_runs(grid[row["arm"]][row["lag"]].values())
         row["drift_flagged_runs"] = _drift_flagged(grid[row["arm"]][row["lag"]])
     at_k = {row["arm"]: row for row in rows if row["lag"] == k}
     heads = {f: versus(grid[f][k], grid["tis"][k]) for f in forms}

@@ -196,6 +196,12 @@ def accuracy_markdown(grid: Grid, fn=final_accuracy, scale: float = 100.0) -> st
     return "\n".join(out)
 
 
+def collapsed_runs(runs) -> int:
+    """How many of `runs` collapsed (results.summarize_run's `collapsed`: a non-finite step,
+    a held-out evaluation below half the warm start's, or a diverged run)."""
+    return sum(bool(summarize_run(r, None)["collapsed"]) for r in runs)
+
+
 def collapse_markdown(grid: Grid) -> str:
     """Markdown: loss x lag, the runs that collapsed out of the cell's runs (results.
     summarize_run's `collapsed`: a non-finite step, a held-out evaluation below half the
@@ -208,7 +214,7 @@ def collapse_markdown(grid: Grid) -> str:
         cells = []
         for k in lags:
             runs = list(grid[loss].get(k, {}).values())
-            bad = sum(bool(summarize_run(r, None)["collapsed"]) for r in runs)
+            bad = collapsed_runs(runs)
             total, n = total + bad, n + len(runs)
             cells.append(f"{bad}/{len(runs)}" if runs else "")
         out.append(f"| {loss} | " + " | ".join(cells) + " |")
