@@ -21,6 +21,12 @@ if [ -n "$PID" ]; then while kill -0 "$PID" 2>/dev/null; do sleep 20; done; fi
 cd "$WT"
 FROZEN=${FROZEN:-23f2b3c}  # the protocol's commit (a test points it at a fake worktree)
 [ "$(git rev-parse --short=7 HEAD)" = "$FROZEN" ] || { echo "WT is not at $FROZEN" >&2; exit 1; }
+# the environment must import the frozen code before any grid starts (sitting 17 started the
+# chain without the venv: the frozen runner read each failed import as "seed not listed" and
+# ran through every grid and seed in 20 s, running nothing)
+PYTHONPATH="$WT" python -c "import configs.default" || {
+  echo "$(command -v python) cannot import $WT/configs/default.py: activate the environment" \
+    "the project is installed in" >&2; exit 1; }
 if [ "$HERE" != "$WT" ]; then mkdir -p results && cp -r "$HERE/results/staleness_protocol" results/; fi
 grid() {  # grid first_seed last_seed
   echo "=== $(date -u +%H:%M:%S) chain: $1 seeds $2-$3"

@@ -60,15 +60,22 @@ if [ "${GRIDS:-}" = "protocol" ]; then
       cfg="$P:${arg#main}"
       [ "$arg" = main ] && cfg="$P"
       echo "=== $(date -u +%H:%M:%S) protocol $arg seed $seed"
-      if python - "$cfg" "$seed" <<'PY'
+      # exit 0: the grid lists this seed; 3: it does not (skip); anything else (the config
+      # does not import: no environment, a broken checkout) stops the study here, rather than
+      # reading as "not listed" and racing through every grid and seed in a second
+      listed=0
+      python - "$cfg" "$seed" <<'PY' || listed=$?
 import sys; sys.path.insert(0, ".")
 import importlib.util
 path, _, arg = sys.argv[1].partition(":")
 spec = importlib.util.spec_from_file_location("c", path); m = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(m)
-sys.exit(0 if int(sys.argv[2]) in m.get_config(arg).axes.seed.levels else 1)
+sys.exit(0 if int(sys.argv[2]) in m.get_config(arg).axes.seed.levels else 3)
 PY
-      then
+      case "$listed" in 0|3) ;; *)
+        echo "cannot read $cfg with $(command -v python) (exit $listed)" >&2; exit "$listed" ;;
+      esac
+      if [ "$listed" = 0 ]; then
         warm=()
         case "$arg" in countdown|sort|large) ;; *)
           warm=(--config.experiment.warm_start.checkpoint="$WARM") ;; esac

@@ -53,6 +53,8 @@ def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_run
     (wt / "scripts").mkdir(parents=True)
     (wt / "scripts" / "staleness_study.sh").write_text(
         'echo "call ONLY=$ONLY FINISHED=${FINISHED:-} GRIDS=$GRIDS $2-$3 nice=$(nice)"\n')
+    (wt / "configs").mkdir()
+    (wt / "configs" / "default.py").write_text("")  # the import the chain checks first
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(wt)]
     subprocess.run(git[:5] + ["init", "-q", str(wt)], check=True)
     subprocess.run(git + ["add", "-A"], check=True)
@@ -72,3 +74,75 @@ def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_run
     assert (wt / "results" / "staleness_protocol" / "main" / "runs.csv").exists()
     assert subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
                           text=True).stdout.strip() == sha
+
+
+def _fake_worktree(wt, default_py):
+    (wt / "scripts").mkdir(parents=True)
+    (wt / "scripts" / "staleness_study.sh").write_text('echo "call ONLY=$ONLY"\n')
+    (wt / "configs").mkdir()
+    (wt / "configs" / "default.py").write_text(default_py)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(wt)]
+    subprocess.run(git[:5] + ["init", "-q", str(wt)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "frozen"], check=True)
+    return subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+@pytest.mark.slow  # starts processes
+def test_the_chain_stops_before_any_grid_when_python_cannot_import_the_frozen_code(tmp_path):
+    """Sitting 17 started the chain without the venv: every grid's seed check failed on the
+    import and read as 'seed not listed'. The chain now imports configs.default from the
+    worktree first and stops, naming the python, with no grid called."""
+    sha = _fake_worktree(tmp_path / "wt", "import no_such_module_xyz\n")
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "protocol_chain.sh"),
+                          str(tmp_path / "w"), str(tmp_path / "wt")], capture_output=True,
+                         text=True, timeout=60, env=dict(os.environ, FROZEN=sha))
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "cannot import" in out.stderr and "call " not in out.stdout
+
+
+def _fake_checkout(root, protocol_py):
+    """A copy of staleness_study.sh beside a protocol config and an ablate.py that records
+    its calls (a warm start present, so nothing trains)."""
+    (root / "scripts").mkdir(parents=True)
+    (root / "scripts" / "staleness_study.sh").write_text(
+        open(os.path.join(ROOT, "scripts", "staleness_study.sh")).read())
+    (root / "configs" / "ablate").mkdir(parents=True)
+    (root / "configs" / "ablate" / "staleness_protocol.py").write_text(protocol_py)
+    (root / "experiments").mkdir()
+    (root / "experiments" / "ablate.py").write_text(
+        "import sys\nprint('ablate', *[a for a in sys.argv[1:] if 'seed.only' in a])\n")
+    warm = root / "results" / "staleness_study" / "warm_start"
+    warm.mkdir(parents=True)
+    (warm / "config.json").write_text("{}")
+
+
+LISTS_SEED_0 = """import types
+def get_config(arg):
+    return types.SimpleNamespace(axes=types.SimpleNamespace(
+        seed=types.SimpleNamespace(levels=(0,))))
+"""
+
+
+@pytest.mark.slow  # starts processes
+def test_the_study_runs_listed_seeds_skips_unlisted_and_stops_on_a_config_that_fails(tmp_path):
+    """The protocol branch asks the config whether it lists each seed: listed runs, not
+    listed is skipped, and a config that does not import stops the study (exit non-zero,
+    nothing run) instead of reading as 'not listed' for every grid and seed."""
+    good = tmp_path / "good"
+    _fake_checkout(good, LISTS_SEED_0)
+    env = dict(os.environ, GRIDS="protocol", ONLY="mb4")
+    out = subprocess.run(["bash", str(good / "scripts" / "staleness_study.sh"),
+                          str(tmp_path / "w"), "0", "1"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    calls = [line for line in out.stdout.splitlines() if line.startswith("ablate")]
+    assert calls == ["ablate --config.axes.seed.only=0"], out.stdout
+    bad = tmp_path / "bad"
+    _fake_checkout(bad, "import no_such_module_xyz\n" + LISTS_SEED_0)
+    out = subprocess.run(["bash", str(bad / "scripts" / "staleness_study.sh"),
+                          str(tmp_path / "w"), "0", "1"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode != 0 and "cannot read" in out.stderr, (out.stdout, out.stderr)
+    assert "ablate" not in out.stdout and "seed 1" not in out.stdout
