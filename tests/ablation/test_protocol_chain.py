@@ -8,6 +8,21 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _fake_worktree(wt, default_py, study_sh='echo "call ONLY=$ONLY"\n'):
+    """A git repository standing in for the frozen worktree: configs/default.py (the import
+    the chain checks first) and a staleness_study.sh that records its calls; its short SHA."""
+    (wt / "scripts").mkdir(parents=True)
+    (wt / "scripts" / "staleness_study.sh").write_text(study_sh)
+    (wt / "configs").mkdir()
+    (wt / "configs" / "default.py").write_text(default_py)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(wt)]
+    subprocess.run(git[:5] + ["init", "-q", str(wt)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "frozen"], check=True)
+    return subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
 @pytest.mark.slow  # starts a process
 def test_the_chain_refuses_a_worktree_not_at_the_frozen_commit(tmp_path):
     # this checkout is not 23f2b3c: nothing may run from it
@@ -50,17 +65,8 @@ def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_run
     (here / "results" / "staleness_protocol" / "main").mkdir(parents=True)
     (here / "results" / "staleness_protocol" / "main" / "runs.csv").write_text("run\n")
     wt = tmp_path / "wt"
-    (wt / "scripts").mkdir(parents=True)
-    (wt / "scripts" / "staleness_study.sh").write_text(
-        'echo "call ONLY=$ONLY FINISHED=${FINISHED:-} GRIDS=$GRIDS $2-$3 nice=$(nice)"\n')
-    (wt / "configs").mkdir()
-    (wt / "configs" / "default.py").write_text("")  # the import the chain checks first
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(wt)]
-    subprocess.run(git[:5] + ["init", "-q", str(wt)], check=True)
-    subprocess.run(git + ["add", "-A"], check=True)
-    subprocess.run(git + ["commit", "-qm", "frozen"], check=True)
-    sha = subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
-                         text=True, check=True).stdout.strip()
+    sha = _fake_worktree(wt, "", 'echo "call ONLY=$ONLY FINISHED=${FINISHED:-} GRIDS=$GRIDS '
+                         '$2-$3 nice=$(nice)"\n')
     out = subprocess.run(["bash", str(here / "scripts" / "protocol_chain.sh"),
                           str(tmp_path / "w"), str(wt)], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, FROZEN=sha, FINISHED=""))
@@ -72,21 +78,8 @@ def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_run
     assert calls == ["ONLY=main FINISHED=1 GRIDS=protocol 0-31 nice=19",
                      "ONLY=mb4 FINISHED= GRIDS=protocol 0-29 nice=19"] + secondary
     assert (wt / "results" / "staleness_protocol" / "main" / "runs.csv").exists()
-    assert subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() == sha
-
-
-def _fake_worktree(wt, default_py):
-    (wt / "scripts").mkdir(parents=True)
-    (wt / "scripts" / "staleness_study.sh").write_text('echo "call ONLY=$ONLY"\n')
-    (wt / "configs").mkdir()
-    (wt / "configs" / "default.py").write_text(default_py)
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(wt)]
-    subprocess.run(git[:5] + ["init", "-q", str(wt)], check=True)
-    subprocess.run(git + ["add", "-A"], check=True)
-    subprocess.run(git + ["commit", "-qm", "frozen"], check=True)
-    return subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    assert subprocess.run(["git", "-C", str(wt), "rev-parse", "--short=7", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() == sha
 
 
 @pytest.mark.slow  # starts processes
