@@ -57,13 +57,17 @@ def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_run
     """Against a fake worktree (its own commit as FROZEN, a staleness_study.sh that records
     its calls): '' then mb4 whole, then the secondary grids seed-major; the committed runs
     are copied into the worktree and FINISHED is set only for a grid that has some (the
-    runner refuses a finished_tables folder without runs.csv)."""
+    runner refuses a finished_tables folder without runs.csv); a grid with a committed
+    report.md is complete and not called."""
     here = tmp_path / "checkout"
     (here / "scripts").mkdir(parents=True)
     (here / "scripts" / "protocol_chain.sh").write_text(
         open(os.path.join(ROOT, "scripts", "protocol_chain.sh")).read())
     (here / "results" / "staleness_protocol" / "main").mkdir(parents=True)
     (here / "results" / "staleness_protocol" / "main" / "runs.csv").write_text("run\n")
+    (here / "results" / "staleness_protocol" / "mb4").mkdir()
+    (here / "results" / "staleness_protocol" / "mb4" / "runs.csv").write_text("run\n")
+    (here / "results" / "staleness_protocol" / "mb4" / "report.md").write_text("analysed\n")
     wt = tmp_path / "wt"
     sha = _fake_worktree(wt, "", 'echo "call ONLY=$ONLY FINISHED=${FINISHED:-} GRIDS=$GRIDS '
                          '$2-$3 nice=$(nice)"\n')
@@ -75,8 +79,9 @@ def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_run
              if line.startswith("call ")]
     secondary = [f"ONLY={g} FINISHED= GRIDS=protocol {s}-{s} nice=19" for s in range(32)
                  for g in ("varlag", "async", "sweep", "drift", "large")]
-    assert calls == ["ONLY=main FINISHED=1 GRIDS=protocol 0-31 nice=19",
-                     "ONLY=mb4 FINISHED= GRIDS=protocol 0-29 nice=19"] + secondary
+    # mb4 has a report (analysed, so complete): skipped whole
+    assert calls == ["ONLY=main FINISHED=1 GRIDS=protocol 0-31 nice=19"] + secondary
+    assert "mb4: analysed, skipped" in out.stdout
     assert (wt / "results" / "staleness_protocol" / "main" / "runs.csv").exists()
     assert subprocess.run(["git", "-C", str(wt), "rev-parse", "--short=7", "HEAD"],
                           capture_output=True, text=True).stdout.strip() == sha
