@@ -84,12 +84,19 @@ def by_learning_rate(runs: Sequence[Run], key=loss_label) -> Dict[float, Grid]:
 
 
 def main_arms(grid: Grid) -> Grid:
-    """The arms that differ only in their loss (their label carries no axis but `lr`): the
-    grid proper, without repro arms of other settings (e.g. `ppo (minibatches=4)`)."""
-    def extra(label: str) -> List[str]:
+    """The arms that differ only in their loss: the grid proper. Those whose label carries no
+    axis but `lr`, without repro arms of other settings beside them (e.g. `ppo
+    (minibatches=4)` in the one-minibatch grid); in a grid run wholly at one other setting
+    (the protocol's `mb4`: every arm `X (minibatches=4)`) every arm; none when the arms'
+    settings differ and none is plain (there is no one grid to compare within)."""
+    def extra(label: str) -> tuple:
         inside = label.partition(" (")[2].rstrip(")")
-        return [kv for kv in inside.split(", ") if kv and not kv.startswith("lr=")]
-    return {label: cells for label, cells in grid.items() if not extra(label)}
+        return tuple(kv for kv in inside.split(", ") if kv and not kv.startswith("lr="))
+    settings = {label: extra(label) for label in grid}
+    plain = {label: cells for label, cells in grid.items() if not settings[label]}
+    if plain or len(set(settings.values())) != 1:
+        return plain
+    return dict(grid)
 
 
 def final_accuracy(r: Run) -> Optional[float]:

@@ -2,6 +2,7 @@
 scripts/repro_verdict.py) on synthetic runs exported to committed tables (CSV), so the
 whole path CSV -> runs -> verdict is what is tested."""
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -238,3 +239,42 @@ def test_the_report_counts_collapsed_runs_per_cell(tmp_path):
     text = staleness.collapse_markdown(staleness.main_arms(grid))
     assert "| tis | 0/3 | 3/3 |" in text and "| ppo | 0/3 | 0/3 |" in text
     assert "(3 of 12)" in text
+
+
+def test_main_arms_keeps_a_grid_run_wholly_at_one_setting():
+    """The grid proper: plain arms without the repro arms of other settings beside them; a
+    grid whose every arm sits at one setting (the protocol's mb4) whole; arms of different
+    settings with none plain, none."""
+    cells = {0: {}}
+    mixed = {"ppo": cells, "tis (lr=5e-05)": cells, "ppo (minibatches=4)": cells}
+    assert sorted(staleness.main_arms(mixed)) == ["ppo", "tis (lr=5e-05)"]
+    mb4 = {"ppo (minibatches=4)": cells, "decoupled_ppo (minibatches=4)": cells}
+    assert staleness.main_arms(mb4) == mb4
+    assert staleness.main_arms({"ppo (minibatches=4)": cells, "tis (cap=4)": cells}) == {}
+
+
+@pytest.mark.slow  # runs scripts/staleness_report.py
+def test_the_protocol_families_of_a_grid_at_four_minibatches(tmp_path):
+    """The mb4 grid's runs carry a `minibatches=4` label on every arm. Its one registered
+    analysis (2026-12-06) first came out with every family empty: the report kept only arms
+    without such a label. Through the script, as it is run: F0 pairs the three PPO-family
+    arms at lag 0, F1 and F2 hold every key arm at the confirmatory lag."""
+    arms = [(a, a, {0: {}, 8: dict(drop=d)}, {"minibatches": 4, "axes": {"minibatches": "4"}})
+            for a, d in (("ppo", 0.0), ("decoupled_ppo", 0.02), ("staleness_clip", 0.1))]
+    folder = _tables(tmp_path, arms)
+    out = tmp_path / "report.md"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "staleness_report.py"),
+                           f"--results={folder}", f"--out={out}", "--json",
+                           "--confirm_arms=decoupled_ppo,ppo,staleness_clip",
+                           "--confirm_lags=8"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fams = json.loads(done.stdout.strip().splitlines()[-1])["protocol 0.0001"]
+    assert len(fams["null control"]) == 3
+    assert {(r["a"], r["lag_a"], r["lag_b"]) for r in fams["staleness cost"]} == {
+        (f"{a} (minibatches=4)", 8, 0) for a in ("ppo", "decoupled_ppo", "staleness_clip")}
+    assert {r["b"] for r in fams["vs PPO-clip"]} == {"ppo (minibatches=4)"}
+    assert len(fams["vs PPO-clip"]) == 2
+    text = out.read_text()
+    assert "Key arms present: decoupled_ppo (minibatches=4), ppo (minibatches=4)" in text
+    assert "Null control PASSES" in text and "of 3 raw p" in text
