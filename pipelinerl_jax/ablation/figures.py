@@ -217,8 +217,6 @@ def _mean_metric(r: Run, key: str) -> Optional[float]:
     return float(v.mean()) if v.size else None
 
 
-
-
 def _bucket_mean(rs: Sequence[Run], b: str, name: str) -> Optional[float]:
     num = den = 0.0
     for r in rs:
