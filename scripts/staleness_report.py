@@ -2,6 +2,8 @@
 
   PYTHONPATH=. python scripts/staleness_report.py --results=results/staleness --out=table.md
   PYTHONPATH=. python scripts/staleness_report.py --results=runs/staleness --figures=figures/
+  PYTHONPATH=. python scripts/staleness_report.py --results=results/staleness_protocol/async \
+      --sync_reference=results/staleness_protocol/mb4 --confirm_arms=decoupled_ppo,ppo,staleness_clip
 
 First, per learning rate, the pre-registered protocol (docs/staleness_study.md) on its
 primary endpoint, final held-out accuracy: the null control (family 0: arms that are one
@@ -24,6 +26,11 @@ and log(rate x lag), scored by leave-one-seed-out R²) and the drift table: each
 accuracy drop beside its measured KL and ESS (outcomes of the run). `--figures` also draws
 lag_ablation, diagnostics_by_lag, ess_vs_drop and drop_vs_drift (and, with two rates,
 drop_vs_rate_x_updates). `--json` prints the numbers as one JSON line as well.
+
+Real asynchronous runs (the protocol's `async` grid: no injection, the pipeline's timing sets
+the lags under the bound max_lag) get their own section (ablation/async_grid.py): the cost of
+asynchrony against each arm's synchronous run (`--sync_reference`), each arm against PPO-clip
+at the same bound, and the lags the runs trained on, reported as the outcome they are.
 """
 import json
 import os
@@ -33,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from pipelinerl_jax.ablation import drift, figures, protocol, results, staleness  # noqa: E402
+from pipelinerl_jax.ablation import (  # noqa: E402
+    async_grid, drift, figures, protocol, results, staleness)
 
 _RESULTS = flags.DEFINE_list("results", [], "Committed-table folders, grid or run directories.")
 _OUT = flags.DEFINE_string("out", "", "Markdown file to write (default: print only).")
@@ -42,6 +50,10 @@ _ESS = flags.DEFINE_float("ess_threshold", staleness.ESS_THRESHOLD, "ESS thresho
 _REEVAL = flags.DEFINE_list(
     "reeval", [], "CSV(s) written by scripts/staleness_reeval.py: also give every comparison's "
     "resolution on the final checkpoints re-scored on the larger held-out set.")
+_SYNC_REF = flags.DEFINE_list(
+    "sync_reference", [], "For real asynchronous runs (the protocol's `async` grid): tables "
+    "or runs holding each arm's synchronous in-process run at lag 0 (the `mb4` grid), read "
+    "only as that reference (family A1), not reported as a grid.")
 _JSON = flags.DEFINE_bool("json", False, "Also print the analysis as one JSON line.")
 _ARMS = flags.DEFINE_list("confirm_arms", list(protocol.KEY_ARMS),
                           "The protocol's key arms (families 1 and 2; those present).")
@@ -127,15 +139,24 @@ def main(argv):
     runs, problems = results.load_runs(_RESULTS.value)
     for p in problems:
         print(f"skipped: {p}", file=sys.stderr)
+    refs, ref_problems = results.load_runs(_SYNC_REF.value) if _SYNC_REF.value else ([], [])
+    for p in ref_problems:
+        print(f"skipped: {p}", file=sys.stderr)
     groups = staleness.by_learning_rate(runs)
-    if not groups:
-        sys.exit("no lag-injected runs with evaluations under " + ",".join(_RESULTS.value))
+    asyncs = async_grid.async_grids(runs + refs)
+    if not groups and not asyncs:
+        sys.exit("no lag-injected or asynchronous runs with evaluations under "
+                 + ",".join(_RESULTS.value))
     parts, out_json = [], {}
     for lr, grid in groups.items():
         lines, fams = protocol_section(staleness.main_arms(grid), lr)
         parts += lines
         out_json[f"protocol {lr:g}"] = fams
-    lines, out_json["provenance"] = provenance_section(runs)
+    for lr, grid in asyncs.items():
+        fams = async_grid.families(grid, _ARMS.value)
+        parts += [async_grid.section_markdown(grid, fams, lr)]
+        out_json[f"async {lr:g}"] = fams
+    lines, out_json["provenance"] = provenance_section(runs + refs)
     parts += lines + ["# Secondary analyses (not the protocol's primary endpoint or families)",
                       ""]
     for lr, grid in groups.items():

@@ -187,6 +187,11 @@ def versus_reference(grid, fn, arms: Sequence[str], lags: Sequence[int],
                       if a != reference for k in lags])
 
 
+def between_lags(grid, fn, arms: Sequence[str], hi: int, lo: int, family: str) -> list:
+    """Each arm at lag `hi` against the same arm at lag `lo` (Holm over the arms)."""
+    return _adjusted([_pair(grid, fn, a, hi, a, lo, family) for a in arms])
+
+
 def null_arms(grid) -> list:
     """The arms of `grid` that take the identical update at lag 0 in exact arithmetic: at
     one minibatch every arm but `NOT_NULL`, at several the `NULL_AT_ANY_MINIBATCHES` family

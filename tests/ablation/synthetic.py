@@ -26,9 +26,10 @@ def _config(mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0,
 
 def write_run(path, *, mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0,
               seed=0, steps=12, spec=True, labels=None, cap=None, minibatches=1, acc_fn=None,
-              kl_fn=None, ess_fn=None, lr=1e-4, form=None):
+              kl_fn=None, ess_fn=None, lr=1e-4, form=None, lag=None):
     """One run directory; returns its path. `acc_fn(step)`, `kl_fn(step)`, `ess_fn(step)`
-    replace the default laws of the accuracy, KL k3 and ESS."""
+    replace the default laws of the accuracy, KL k3 and ESS; `lag`, the lag every trained
+    token has (default: the injected one, 0 in sync, min(max_lag, 2) in async)."""
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed * 101 + k + 7 * max_lag + len(loss))
     cfg = _config(mode, max_lag, loss, kv, injected, k, seed, cap, minibatches, steps, lr, form)
@@ -43,7 +44,8 @@ def write_run(path, *, mode="async", max_lag=4, loss="tis", kv="keep", injected=
         with open(os.path.join(path, "status.json"), "w") as f:
             json.dump({"status": "done"}, f)
     step_s = 3.0 if mode == "sync" else 1.5
-    lag = k if injected else (0 if mode == "sync" else min(max_lag, 2))
+    if lag is None:
+        lag = k if injected else (0 if mode == "sync" else min(max_lag, 2))
     t0 = 1.7e9
     with open(os.path.join(path, "metrics.jsonl"), "w") as f:
         f.write(json.dumps({"step": 0, "version": 0, "wall_time_s": 1.0,
