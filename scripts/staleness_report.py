@@ -51,9 +51,9 @@ _REEVAL = flags.DEFINE_list(
     "reeval", [], "CSV(s) written by scripts/staleness_reeval.py: also give every comparison's "
     "resolution on the final checkpoints re-scored on the larger held-out set.")
 _SYNC_REF = flags.DEFINE_list(
-    "sync_reference", [], "For real asynchronous runs (the protocol's `async` grid): tables "
-    "or runs holding each arm's synchronous in-process run at lag 0 (the `mb4` grid), read "
-    "only as that reference (family A1), not reported as a grid.")
+    "sync_reference", [], "Tables or runs holding each arm's synchronous in-process run at lag "
+    "0 (the protocol's `mb4` grid), read only as that reference, not reported as a grid: the "
+    "lag 0 of family 1 for a grid without one (`varlag`) and of family A1 (`async`).")
 _JSON = flags.DEFINE_bool("json", False, "Also print the analysis as one JSON line.")
 _ARMS = flags.DEFINE_list("confirm_arms", list(protocol.KEY_ARMS),
                           "The protocol's key arms (families 1 and 2; those present).")
@@ -65,27 +65,38 @@ _POSTHOC = flags.DEFINE_list(
     "intervals and raw p, labelled post hoc, never in a family.")
 
 
-def protocol_section(grid, lr) -> tuple:
+def protocol_section(grid, lr, with_ref=None) -> tuple:
     """The protocol's families on the primary endpoint for one learning rate: (markdown
-    lines, JSON)."""
+    lines, JSON). `with_ref`: the grid with the lag-0 cells of `--sync_reference` given to
+    arms that ran none (families 1 and 2 read it; the null control reads only `grid`)."""
     fn = staleness.final_accuracy
+    own, grid = grid, with_ref or grid
+    borrowed = sorted(a for a in grid if 0 in grid[a] and 0 not in own.get(a, {}))
     base = {a.split(" (")[0]: a for a in grid}  # lowlr labels carry "(lr=...)"
     arms = [base[a] for a in _ARMS.value if a in base]
     lags = [int(k) for k in _LAGS.value]
     ref = base.get(protocol.REFERENCE_ARM, protocol.REFERENCE_ARM)
-    fams = {"null control": protocol.null_control(grid, fn),
+    fams = {"null control": protocol.null_control(own, fn),
             "staleness cost": protocol.staleness_cost(grid, fn, arms, lags),
             "vs PPO-clip": protocol.versus_reference(grid, fn, arms, lags, ref)}
     lines = [f"## Protocol, learning rate {lr:g}: primary endpoint (final held-out accuracy)", "",
              f"Key arms present: {', '.join(arms) or 'none'}; confirmatory lags: "
              f"{', '.join(map(str, lags))}. Holm within each family, 5% two-sided.", ""]
     null = fams["null control"]
+    verdict = ("NOT TESTED: no pair of arms of this grid ran at lag 0" if not null else
+               f"{'PASSES' if not any(r['significant'] for r in null) else 'FAILS'}: "
+               f"{sum(r['p'] < 0.05 for r in null)} of {len(null)} raw p < 0.05, "
+               f"{sum(r['significant'] for r in null)} after Holm")
     lines += ["### Family 0: null control (lag 0; one update in exact arithmetic: "
-              f"{', '.join(protocol.null_arms(grid)) or 'none'})", "",
-              protocol.family_markdown(null), "",
-              f"Null control {'PASSES' if not any(r['significant'] for r in null) else 'FAILS'}"
-              f": {sum(r['p'] < 0.05 for r in null)} of {len(null)} raw p < 0.05, "
-              f"{sum(r['significant'] for r in null)} after Holm.", ""]
+              f"{', '.join(protocol.null_arms(own)) or 'none'})", "",
+              protocol.family_markdown(null), "", f"Null control {verdict}.", ""]
+    if any("injection=uniform" in a for a in grid):
+        lines += ["A variable-lag grid: 'lag L' is the largest lag of the uniform draw on "
+                  "0..L made each step (mean L/2), not a fixed lag.", ""]
+    if borrowed:
+        lines += ["Lag 0 of " + ", ".join(borrowed) + ": the synchronous runs of "
+                  "`--sync_reference` (the same arm without its lag-source axis, same seeds "
+                  "and learning rate), not runs of this grid.", ""]
     lines += ["### Family 1: staleness cost (each key arm at lag L vs its lag 0)", "",
               protocol.family_markdown(fams["staleness cost"]), "",
               "### Family 2: each key arm vs PPO-clip at the same lag", "",
@@ -143,13 +154,16 @@ def main(argv):
     for p in ref_problems:
         print(f"skipped: {p}", file=sys.stderr)
     groups = staleness.by_learning_rate(runs)
+    ref_groups = staleness.by_learning_rate(refs)
     asyncs = async_grid.async_grids(runs + refs)
     if not groups and not asyncs:
         sys.exit("no lag-injected or asynchronous runs with evaluations under "
                  + ",".join(_RESULTS.value))
     parts, out_json = [], {}
     for lr, grid in groups.items():
-        lines, fams = protocol_section(staleness.main_arms(grid), lr)
+        main = staleness.main_arms(grid)
+        lines, fams = protocol_section(main, lr, staleness.with_sync_reference(
+            main, staleness.main_arms(ref_groups.get(lr, {}))))
         parts += lines
         out_json[f"protocol {lr:g}"] = fams
     for lr, grid in asyncs.items():

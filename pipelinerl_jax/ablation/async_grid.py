@@ -31,7 +31,8 @@ import numpy as np
 
 from pipelinerl_jax.ablation import protocol, stats
 from pipelinerl_jax.ablation.results import Run, lag_hist, stalest_diagnostics, summarize_run
-from pipelinerl_jax.ablation.staleness import Grid, final_accuracy, learning_rate, seed_of
+from pipelinerl_jax.ablation.staleness import (Grid, final_accuracy, learning_rate, loss_label,
+                                              seed_of, sync_label)
 
 SYNC = 0  # the bound of the synchronous reference (on-policy: every token at lag 0)
 
@@ -44,11 +45,8 @@ def is_async(r: Run) -> bool:
 
 def arm_label(r: Run) -> str:
     """The run's loss label with its other grid axes but the bound (`ppo (minibatches=4)`):
-    the label the same arm carries in the lag-injected grids."""
-    base = r.labels.get("loss") or str(r.get("loss.name", "?"))
-    extra = [f"{k}={v}" for k, v in sorted(r.labels.items())
-             if k not in ("loss", "lag", "seed", "max_lag")]
-    return f"{base} ({', '.join(extra)})" if extra else base
+    the label of the arm's synchronous run in the lag-injected grids."""
+    return sync_label(loss_label(r))
 
 
 def _put(grid: Grid, arm: str, bound: int, r: Run) -> None:

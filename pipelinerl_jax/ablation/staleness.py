@@ -99,6 +99,31 @@ def main_arms(grid: Grid) -> Grid:
     return dict(grid)
 
 
+# Grid axes that say how a run's lag arises (the injection's law, the asynchronous bound), not
+# what it trains: an arm's synchronous run at lag 0 is the same arm without them.
+LAG_SOURCE_AXES = ("injection", "max_lag")
+
+
+def sync_label(label: str) -> str:
+    """The label of the arm's synchronous run: `label` without its LAG_SOURCE_AXES
+    (`ppo (injection=uniform, minibatches=4)` -> `ppo (minibatches=4)`)."""
+    base, _, inside = label.partition(" (")
+    kept = [kv for kv in inside.rstrip(")").split(", ")
+            if kv and kv.split("=")[0] not in LAG_SOURCE_AXES]
+    return f"{base} ({', '.join(kept)})" if kept else base
+
+
+def with_sync_reference(grid: Grid, refs: Grid) -> Grid:
+    """`grid` with each arm that has no lag-0 cell given, as its lag 0, the lag-0 cell of
+    the arm of `refs` (another grid at the same learning rate: same warm start, seeds and
+    settings) whose label is its `sync_label` (the protocol's `varlag` arms take `mb4`'s)."""
+    out: Grid = {}
+    for arm, cells in grid.items():
+        ref = refs.get(sync_label(arm), {}).get(0)
+        out[arm] = {0: ref, **cells} if ref and 0 not in cells else dict(cells)
+    return out
+
+
 def final_accuracy(r: Run) -> Optional[float]:
     return r.evals[-1][2] if r.evals else None
 

@@ -278,3 +278,56 @@ def test_the_protocol_families_of_a_grid_at_four_minibatches(tmp_path):
     text = out.read_text()
     assert "Key arms present: decoupled_ppo (minibatches=4), ppo (minibatches=4)" in text
     assert "Null control PASSES" in text and "of 3 raw p" in text
+
+
+def test_sync_label_and_the_borrowed_lag_zero():
+    """An arm's synchronous run is the same arm without the axes that say how its lag arises
+    (the injection's law, the async bound); only arms without a lag-0 cell borrow one."""
+    assert staleness.sync_label("ppo (injection=uniform, minibatches=4)") == "ppo (minibatches=4)"
+    assert staleness.sync_label("ppo (max_lag=16, minibatches=4)") == "ppo (minibatches=4)"
+    assert staleness.sync_label("tis (injection=uniform)") == "tis"
+    assert staleness.sync_label("ppo (minibatches=4)") == "ppo (minibatches=4)"
+    own, ref = {0: {1: "own"}, 8: {}}, {0: {1: "ref"}}
+    grid = staleness.with_sync_reference(
+        {"ppo (injection=uniform, minibatches=4)": {8: {}}, "tis (minibatches=4)": own,
+         "vcpo (injection=uniform)": {8: {}}},
+        {"ppo (minibatches=4)": ref, "tis (minibatches=4)": ref, "vcpo (minibatches=4)": ref})
+    assert grid["ppo (injection=uniform, minibatches=4)"][0] == {1: "ref"}
+    assert grid["tis (minibatches=4)"][0] == {1: "own"}  # its own lag 0 stays
+    assert 0 not in grid["vcpo (injection=uniform)"]  # another setting: nothing borrowed
+
+
+@pytest.mark.slow  # runs scripts/staleness_report.py
+def test_a_variable_lag_grid_takes_its_lag_zero_from_the_sync_reference(tmp_path):
+    """The protocol's varlag grid runs no lag 0: the report printed its null control as
+    PASSING on zero tests and family 1 empty. Now the null control says it was not tested,
+    and with --sync_reference (the mb4 tables) family 1 compares each arm with its
+    synchronous run, seed by seed."""
+    mb4 = {"minibatches": 4, "axes": {"minibatches": "4"}}
+    var = {"minibatches": 4, "axes": {"minibatches": "4", "injection": "uniform"}}
+    folder = _tables(tmp_path / "v", [(a, a, {8: dict(drop=d)}, var)
+                                      for a, d in (("ppo", 0.0), ("staleness_clip", 0.1))])
+    sync = _tables(tmp_path / "s", [(a, a, {0: {}, 8: dict(drop=0.3)}, mb4)
+                                    for a in ("ppo", "staleness_clip")])
+    out = tmp_path / "report.md"
+    args = [sys.executable, os.path.join(ROOT, "scripts", "staleness_report.py"),
+            f"--results={folder}", f"--out={out}", "--json", "--confirm_arms=ppo,staleness_clip",
+            "--confirm_lags=8"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run(args + [f"--sync_reference={sync}"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fams = json.loads(done.stdout.strip().splitlines()[-1])["protocol 0.0001"]
+    assert fams["null control"] == []
+    cost = {r["a"].split(" (")[0]: r for r in fams["staleness cost"]}
+    assert sorted(cost) == ["ppo", "staleness_clip"]
+    assert cost["ppo"]["lag_b"] == 0 and cost["ppo"]["diff"] == pytest.approx(0, abs=0.01)
+    assert cost["staleness_clip"]["significant"]  # -10 points, not mb4's lag-8 drop of 30
+    assert cost["staleness_clip"]["diff"] == pytest.approx(-0.10, abs=0.01)
+    text = out.read_text()
+    assert "Null control NOT TESTED" in text and "PASSES" not in text
+    assert "the synchronous runs of `--sync_reference`" in text
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["protocol 0.0001"][
+        "staleness cost"] == []
