@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from pipelinerl_jax.ablation import (  # noqa: E402
-    async_grid, drift, figures, protocol, results, staleness)
+    async_grid, drift, figures, protocol, results, staleness, sweep_grid)
 
 _RESULTS = flags.DEFINE_list("results", [], "Committed-table folders, grid or run directories.")
 _OUT = flags.DEFINE_string("out", "", "Markdown file to write (default: print only).")
@@ -54,6 +54,10 @@ _SYNC_REF = flags.DEFINE_list(
     "sync_reference", [], "Tables or runs holding each arm's synchronous in-process run at lag "
     "0 (the protocol's `mb4` grid), read only as that reference, not reported as a grid: the "
     "lag 0 of family 1 for a grid without one (`varlag`) and of family A1 (`async`).")
+_DEFAULT_REF = flags.DEFINE_list(
+    "default_reference", [], "For the protocol's `sweep` grid: tables or runs of the `''` grid, "
+    "whose arms at the sweep's lag are each loss's default setting where the sweep holds none "
+    "(decoupled_ppo), and the control for those it holds (identical runs).")
 _JSON = flags.DEFINE_bool("json", False, "Also print the analysis as one JSON line.")
 _ARMS = flags.DEFINE_list("confirm_arms", list(protocol.KEY_ARMS),
                           "The protocol's key arms (families 1 and 2; those present).")
@@ -170,6 +174,17 @@ def main(argv):
         fams = async_grid.families(grid, _ARMS.value)
         parts += [async_grid.section_markdown(grid, fams, lr)]
         out_json[f"async {lr:g}"] = fams
+    dgroups = (staleness.by_learning_rate(results.load_runs(_DEFAULT_REF.value)[0])
+               if _DEFAULT_REF.value else {})
+    for lr, grid in groups.items():
+        for lag in sorted({k for cells in grid.values() for k in cells}):
+            sets = sweep_grid.settings(grid, dgroups.get(lr), lag)
+            if sets:
+                fams = sweep_grid.sensitivity(sets)
+                parts += [sweep_grid.section_markdown(sets, fams, lag, lr)]
+                out_json[f"sweep {lr:g} lag {lag}"] = {
+                    "sensitivity": fams, "control": sweep_grid.control(sets),
+                    "best": sweep_grid.best(sets)}
     lines, out_json["provenance"] = provenance_section(runs + refs)
     parts += lines + ["# Secondary analyses (not the protocol's primary endpoint or families)",
                       ""]

@@ -163,7 +163,9 @@ def parse_contrast(text: str) -> list:
     return terms
 
 
-def _adjusted(rows: list) -> list:
+def adjust(rows: list) -> list:
+    """`rows` (comparisons; None dropped) as one family: Holm-adjusted p, significance at 5%
+    after Holm, and the MDE at the family's Bonferroni level."""
     rows = [r for r in rows if r is not None]
     for r, q in zip(rows, holm([r["p"] for r in rows])):
         r["p_holm"] = q
@@ -176,20 +178,20 @@ def _adjusted(rows: list) -> list:
 
 def staleness_cost(grid, fn, arms: Sequence[str], lags: Sequence[int]) -> list:
     """Family 1: each arm at each lag against the same arm at lag 0 (Holm over the family)."""
-    return _adjusted([_pair(grid, fn, a, k, a, 0, "staleness cost") for a in arms
+    return adjust([_pair(grid, fn, a, k, a, 0, "staleness cost") for a in arms
                       for k in lags])
 
 
 def versus_reference(grid, fn, arms: Sequence[str], lags: Sequence[int],
                      reference: str = REFERENCE_ARM) -> list:
     """Family 2: each arm against PPO-clip at the same lag (Holm over the family)."""
-    return _adjusted([_pair(grid, fn, a, k, reference, k, f"vs {reference}") for a in arms
+    return adjust([_pair(grid, fn, a, k, reference, k, f"vs {reference}") for a in arms
                       if a != reference for k in lags])
 
 
 def between_lags(grid, fn, arms: Sequence[str], hi: int, lo: int, family: str) -> list:
     """Each arm at lag `hi` against the same arm at lag `lo` (Holm over the arms)."""
-    return _adjusted([_pair(grid, fn, a, hi, a, lo, family) for a in arms])
+    return adjust([_pair(grid, fn, a, hi, a, lo, family) for a in arms])
 
 
 def null_arms(grid) -> list:
@@ -219,14 +221,14 @@ def null_control(grid, fn) -> list:
     amplify)."""
     k = {a: _minibatches(grid[a][0]) for a in null_arms(grid)}
     arms = list(k)
-    return _adjusted([_pair(grid, fn, a, 0, b, 0, "null control (lag 0)")
+    return adjust([_pair(grid, fn, a, 0, b, 0, "null control (lag 0)")
                       for i, a in enumerate(arms) for b in arms[i + 1:] if k[a] == k[b]])
 
 
 def all_pairs(grid, fn, lag: int) -> list:
     """Secondary: every pair of arms at one lag (Holm within the lag)."""
     arms = sorted(a for a in grid if lag in grid[a])
-    return _adjusted([_pair(grid, fn, a, lag, b, lag, f"all pairs at lag {lag}")
+    return adjust([_pair(grid, fn, a, lag, b, lag, f"all pairs at lag {lag}")
                       for i, a in enumerate(arms) for b in arms[i + 1:]])
 
 
@@ -236,6 +238,10 @@ def planning_sd(rows: Sequence[dict]) -> float:
     return float(math.sqrt(np.mean(np.square(sds)))) if sds else math.nan
 
 
+def _at(arm: str, lag) -> str:
+    return arm if lag is None else f"{arm} @ {lag}"
+
+
 def family_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
     """One row per comparison: difference with its 95% interval, MDE at 80% power, raw and
     Holm-adjusted p."""
@@ -243,7 +249,7 @@ def family_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
            "| p | p (Holm) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = "**" if r["significant"] else ""
-        out.append(f"| {r['a']} @ {r['lag_a']} | {r['b']} @ {r['lag_b']} | {r['n']} | "
+        out.append(f"| {_at(r['a'], r['lag_a'])} | {_at(r['b'], r['lag_b'])} | {r['n']} | "
                    f"{mark}{r['diff'] * scale:+.1f}{mark} | [{(r['diff'] - r['half']) * scale:+.1f}, "
                    f"{(r['diff'] + r['half']) * scale:+.1f}] | {r['sd'] * scale:.1f} | "
                    f"{r['mde'] * scale:.1f} | {r['mde_family'] * scale:.1f} | {r['p']:.3g} | "
