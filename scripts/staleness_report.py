@@ -76,13 +76,8 @@ def protocol_section(grid, lr, with_ref=None) -> tuple:
     fn = staleness.final_accuracy
     own, grid = grid, with_ref or grid
     borrowed = sorted(a for a in grid if 0 in grid[a] and 0 not in own.get(a, {}))
-    base = {a.split(" (")[0]: a for a in grid}  # lowlr labels carry "(lr=...)"
-    arms = [base[a] for a in _ARMS.value if a in base]
     lags = [int(k) for k in _LAGS.value]
-    ref = base.get(protocol.REFERENCE_ARM, protocol.REFERENCE_ARM)
-    fams = {"null control": protocol.null_control(own, fn),
-            "staleness cost": protocol.staleness_cost(grid, fn, arms, lags),
-            "vs PPO-clip": protocol.versus_reference(grid, fn, arms, lags, ref)}
+    arms, fams = protocol.families(grid, fn, _ARMS.value, lags, own=own)
     lines = [f"## Protocol, learning rate {lr:g}: primary endpoint (final held-out accuracy)", "",
              f"Key arms present: {', '.join(arms) or 'none'}; confirmatory lags: "
              f"{', '.join(map(str, lags))}. Holm within each family, 5% two-sided.", ""]

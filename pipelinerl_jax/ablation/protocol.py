@@ -194,6 +194,20 @@ def between_lags(grid, fn, arms: Sequence[str], hi: int, lo: int, family: str) -
     return adjust([_pair(grid, fn, a, hi, a, lo, family) for a in arms])
 
 
+def families(grid, fn, arms: Sequence[str], lags: Sequence[int],
+             reference: str = REFERENCE_ARM, own=None) -> tuple:
+    """(the key arms present, as labelled in `grid`; {"null control", "staleness cost",
+    "vs PPO-clip": rows}): the protocol's three families on `fn`. Arms are matched by loss
+    name (a label may carry its grid's settings, `ppo (lr=5e-05)`); `own`: the grid the null
+    control reads when `grid` holds lag-0 cells borrowed from another grid."""
+    base = {a.split(" (")[0]: a for a in grid}
+    present = [base[a] for a in arms if a in base]
+    ref = base.get(reference, reference)
+    return present, {"null control": null_control(grid if own is None else own, fn),
+                     "staleness cost": staleness_cost(grid, fn, present, lags),
+                     "vs PPO-clip": versus_reference(grid, fn, present, lags, ref)}
+
+
 def null_arms(grid) -> list:
     """The arms of `grid` that take the identical update at lag 0 in exact arithmetic: at
     one minibatch every arm but `NOT_NULL`, at several the `NULL_AT_ANY_MINIBATCHES` family
