@@ -169,6 +169,9 @@ def main(argv):
         fams = async_grid.families(grid, _ARMS.value)
         parts += [async_grid.section_markdown(grid, fams, lr)]
         out_json[f"async {lr:g}"] = fams
+        if _FIGURES.value:
+            print(f"async_bounds: {async_grid.figure(grid, _FIGURES.value, lr)}",
+                  file=sys.stderr)
     dgroups = (staleness.by_learning_rate(results.load_runs(_DEFAULT_REF.value)[0])
                if _DEFAULT_REF.value else {})
     for lr, grid in groups.items():
@@ -180,6 +183,9 @@ def main(argv):
                 out_json[f"sweep {lr:g} lag {lag}"] = {
                     "sensitivity": fams, "control": sweep_grid.control(sets),
                     "best": sweep_grid.best(sets)}
+                if _FIGURES.value:
+                    print(f"sweep_settings: {sweep_grid.figure(sets, _FIGURES.value, lag, lr)}",
+                          file=sys.stderr)
     lines, out_json["provenance"] = provenance_section(runs + refs)
     parts += lines + ["# Secondary analyses (not the protocol's primary endpoint or families)",
                       ""]

@@ -209,3 +209,46 @@ def section_markdown(grid: Grid, fams: dict, lr: float, scale: float = 100.0) ->
             "under the same bound is compared with it at a different lag, not only with a "
             "different loss: read its A2 row with that difference.", ""]
     return "\n".join(out)
+
+
+def figure(grid: Grid, out: str, lr: float) -> str:
+    """async_bounds.png: final held-out accuracy (mean, 95% t-interval over seeds) against
+    the bound, the synchronous run at 0 (left); the share of trained tokens at each lag,
+    pooled over seeds, per arm and bound (right: the lags the bound let through)."""
+    from pipelinerl_jax.ablation.plotting import colors, plt, save
+    fig, (ax, ax_lag) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ks = sorted({k for c in grid.values() for k in c})
+    xpos = {k: i for i, k in enumerate(ks)}
+    styles = ("-", "--", ":")
+    for i, (arm, color) in enumerate(zip(sorted(grid), colors(len(grid)))):
+        cells = grid[arm]
+        ivs = {k: stats.t_interval([v for v in map(final_accuracy, cells[k].values())
+                                    if v is not None]) for k in sorted(cells)}
+        x = np.asarray([xpos[k] for k in ivs], float) + (i - len(grid) / 2) * 0.04
+        ax.errorbar(x, [iv.mean for iv in ivs.values()],
+                    yerr=[iv.half if math.isfinite(iv.half) else 0 for iv in ivs.values()],
+                    color=color, marker="o", ms=4, lw=1.4, capsize=2, label=arm)
+        for k, ls in zip(bounds(grid), styles):
+            if k not in cells:
+                continue
+            hist = np.zeros(0)
+            for r in cells[k].values():
+                v = lag_hist(r)
+                if v.size > hist.size:
+                    hist = np.pad(hist, (0, v.size - hist.size))
+                hist[: v.size] += v
+            if hist.sum():
+                ax_lag.plot(np.arange(hist.size), hist / hist.sum(), ls, color=color,
+                            marker=".", label=f"{arm}, max_lag {k}")
+    ax.set_xticks(range(len(ks)), ["sync" if k == SYNC else str(k) for k in ks])
+    ax.set(xlabel="max_lag (the bound set before the run)",
+           ylabel="final held-out greedy accuracy",
+           title=f"real asynchronous runs, lr {lr:g} (mean, 95% t-interval)")
+    ax_lag.set(xlabel="lag of a trained token (versions)", ylabel="share of trained tokens",
+               title="the lags the runs trained on (an outcome)")
+    for a in (ax, ax_lag):
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax_lag.legend(fontsize=6)
+    fig.tight_layout()
+    return save(fig, out, "async_bounds")

@@ -187,3 +187,41 @@ def section_markdown(sets: Dict[str, dict], fams: Dict[str, List[dict]], lag: in
                    f"{r['range'] * scale:.1f} | {_diff(r['vs_default'], scale)} | "
                    f"{_diff(r['vs_ppo'], scale)} |")
     return "\n".join(out + [""])
+
+
+def figure(sets: Dict[str, dict], out: str, lag: int, lr: float) -> str:
+    """sweep_settings.png: per loss, final held-out accuracy (mean, 95% t-interval over
+    seeds) against its key setting, the default marked (a dashed line where the default
+    cell comes from the `''` grid's runs)."""
+    from pipelinerl_jax.ablation.plotting import plt, save
+    n = len(sets)
+    cols = min(n, 4)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    for ax, (arm, d) in zip(axes.flat, sets.items()):
+        vals = sorted(v for v in d["cells"] if v != DEFAULT)
+        ivs = [stats.t_interval([x for x in map(final_accuracy, d["cells"][v].values())
+                                 if x is not None]) for v in vals]
+        ax.errorbar(range(len(vals)), [iv.mean for iv in ivs],
+                    yerr=[iv.half if math.isfinite(iv.half) else 0 for iv in ivs],
+                    marker="o", ms=4, capsize=2)
+        ax.set_xticks(range(len(vals)), [f"{v:g}" for v in vals])
+        if d["default"] in vals:
+            ax.axvline(vals.index(d["default"]), color="gray", ls=":", lw=1)
+        elif d["default_from"] == "reference":
+            iv = stats.t_interval([x for x in map(final_accuracy,
+                                                  d["cells"][DEFAULT].values())
+                                   if x is not None])
+            ax.axhline(iv.mean, color="gray", ls="--", lw=1,
+                       label=f"default ({_value(d['default'])}), from grid ''")
+            ax.legend(fontsize=6)
+        _, _, key = ARMS[arm]
+        ax.set(title=arm, xlabel=key)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("final held-out accuracy")
+    fig.suptitle(f"key-setting sweep at lag {lag}, lr {lr:g} (mean, 95% t-interval; dotted: "
+                 "the default)", fontsize=9)
+    fig.tight_layout()
+    return save(fig, out, "sweep_settings")

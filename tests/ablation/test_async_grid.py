@@ -86,7 +86,7 @@ def test_async_grid_keys_runs_by_bound_with_the_synchronous_reference(tmp_path):
 
 def _report(tmp_path, folder, sync, out):
     args = [sys.executable, os.path.join(ROOT, "scripts", "staleness_report.py"),
-            f"--results={folder}", f"--out={out}", "--json",
+            f"--results={folder}", f"--out={out}", "--json", f"--figures={tmp_path / 'figs'}",
             "--confirm_arms=decoupled_ppo,ppo,staleness_clip"]
     if sync:
         args.append(f"--sync_reference={sync}")
@@ -118,6 +118,7 @@ def test_the_report_reads_the_async_grid_through_the_script(tmp_path):
     assert len(fams["largest vs smallest bound"]) == 3 and len(fams["all pairs at bound 4"]) == 3
     text = out.read_text()
     assert "## Real asynchronous runs (the `async` grid), learning rate 5e-05" in text
+    assert (tmp_path / "figs" / "async_bounds.png").exists()
     assert "| staleness_clip (minibatches=4) | 16 | 4 |" in text  # the outcome table
     balance = [x for x in text.splitlines() if x.startswith("| staleness_clip (minibatches=4)"
                                                             " | ppo (minibatches=4) | 16 |")]

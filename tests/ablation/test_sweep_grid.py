@@ -84,7 +84,7 @@ def test_the_report_reads_the_sweep_through_the_script(tmp_path):
     out = tmp_path / "report.md"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "staleness_report.py"),
                            f"--results={sweep}", f"--default_reference={main}", f"--out={out}",
-                           "--json"], capture_output=True, text=True,
+                           "--json", f"--figures={tmp_path / 'figs'}"], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     js = json.loads(done.stdout.strip().splitlines()[-1])["sweep 0.0002 lag 8"]
@@ -104,3 +104,4 @@ def test_the_report_reads_the_sweep_through_the_script(tmp_path):
     assert "### decoupled_ppo: default none (the `''` grid's runs; the sweep" in text
     assert "| ppo 0.3 | ppo default (0.2) | 3 | **-10." in text
     assert "| tis | 3 | 0 |" in text and "optimistic" in text
+    assert (tmp_path / "figs" / "sweep_settings.png").exists()
