@@ -32,7 +32,7 @@ import numpy as np
 from pipelinerl_jax.ablation import protocol, stats
 from pipelinerl_jax.ablation.results import Run, lag_hist, stalest_diagnostics, summarize_run
 from pipelinerl_jax.ablation.staleness import (Grid, final_accuracy, learning_rate, loss_label,
-                                              seed_of, sync_label)
+                                              put, sync_label)
 
 SYNC = 0  # the bound of the synchronous reference (on-policy: every token at lag 0)
 
@@ -49,15 +49,6 @@ def arm_label(r: Run) -> str:
     return sync_label(loss_label(r))
 
 
-def _put(grid: Grid, arm: str, bound: int, r: Run) -> None:
-    cell = grid.setdefault(arm, {}).setdefault(bound, {})
-    seed = seed_of(r)
-    if seed in cell and cell[seed].name != r.name:
-        raise ValueError(f"runs {cell[seed].name!r} ({cell[seed].path}) and {r.name!r} "
-                         f"({r.path}) are both arm {arm!r}, bound {bound}, seed {seed}")
-    cell[seed] = r
-
-
 def async_grids(runs: Sequence[Run]) -> Dict[float, Grid]:
     """{learning rate: {arm: {max_lag: {seed: run}}}} of the asynchronous runs, with each
     arm's synchronous reference (in-process runs of the same label at injected lag 0) under
@@ -65,12 +56,13 @@ def async_grids(runs: Sequence[Run]) -> Dict[float, Grid]:
     out: Dict[float, Grid] = {}
     for r in runs:
         if is_async(r):
-            _put(out.setdefault(learning_rate(r), {}), arm_label(r), int(r.get("max_lag")), r)
+            put(out.setdefault(learning_rate(r), {}), arm_label(r), int(r.get("max_lag")), r,
+                "bound")
     for r in runs:
         grid = out.get(learning_rate(r))
         if (grid is not None and r.get("lag_injection.enabled", False) and r.evals
                 and int(r.get("lag_injection.k", 0) or 0) == 0 and arm_label(r) in grid):
-            _put(grid, arm_label(r), SYNC, r)
+            put(grid, arm_label(r), SYNC, r, "bound")
     return {lr: out[lr] for lr in sorted(out)}
 
 

@@ -59,14 +59,19 @@ def lag_grid(runs: Sequence[Run], key=loss_label) -> Grid:
         arm = key(r)
         if arm is None:
             continue
-        k = int(r.get("lag_injection.k", 0))
-        cell = grid.setdefault(arm, {}).setdefault(k, {})
-        seed = seed_of(r)
-        if seed in cell and cell[seed].name != r.name:
-            raise ValueError(f"runs {cell[seed].name!r} ({cell[seed].path}) and {r.name!r} "
-                             f"({r.path}) are both arm {arm!r}, lag {k}, seed {seed}")
-        cell[seed] = r
+        put(grid, arm, int(r.get("lag_injection.k", 0)), r)
     return grid
+
+
+def put(grid: Grid, arm: str, lag: int, r: Run, what: str = "lag") -> None:
+    """Files `r` in grid[arm][lag][its seed]: the same run met twice replaces itself; another
+    run in that slot raises ValueError naming both."""
+    cell = grid.setdefault(arm, {}).setdefault(lag, {})
+    seed = seed_of(r)
+    if seed in cell and cell[seed].name != r.name:
+        raise ValueError(f"runs {cell[seed].name!r} ({cell[seed].path}) and {r.name!r} "
+                         f"({r.path}) are both arm {arm!r}, {what} {lag}, seed {seed}")
+    cell[seed] = r
 
 
 def learning_rate(r: Run) -> float:
