@@ -3,6 +3,7 @@
 Built in (``task.name``):
   reverse, copy, sort  synthetic strings with lognormal lengths (`synthetic.py`)
   countdown            reach a target with + - * / over given numbers (`countdown.py`)
+  add                  the sum of a few whole numbers, no scratchpad (`arithmetic.py`)
   gsm8k                math word problems from a local GSM8K-format JSONL (`gsm8k.py`)
 
 The `task` section is flat: every task's keys are present (so ``--config.task.name=countdown``
@@ -22,16 +23,17 @@ from typing import Any, Iterable
 import ml_collections
 
 from pipelinerl_jax import config_checks as cfglib
-from pipelinerl_jax.tasks import countdown, gsm8k, synthetic
+from pipelinerl_jax.tasks import arithmetic, countdown, gsm8k, synthetic
 from pipelinerl_jax.tasks.base import (HELD_OUT_MODULUS, GeneratedTask, Problem, RewardResult,
                                        Task, is_held_out, nested, stable_hash)
+from pipelinerl_jax.tasks.arithmetic import AdditionTask
 from pipelinerl_jax.tasks.countdown import CountdownTask
 from pipelinerl_jax.tasks.gsm8k import GSM8KTask
 from pipelinerl_jax.tasks.synthetic import SyntheticStringTask
 
 __all__ = [
     "HELD_OUT_MODULUS", "GeneratedTask", "Problem", "RewardResult", "Task", "is_held_out",
-    "stable_hash", "CountdownTask", "GSM8KTask", "SyntheticStringTask", "REGISTRY",
+    "stable_hash", "AdditionTask", "CountdownTask", "GSM8KTask", "SyntheticStringTask", "REGISTRY",
     "task_config", "get_task", "validate_task_config", "merge_defaults",
 ]
 
@@ -41,6 +43,7 @@ __all__ = [
 REGISTRY: dict[str, ModuleType] = {
     **{variant: synthetic for variant in synthetic.VARIANTS},
     "countdown": countdown,
+    "add": arithmetic,
     "gsm8k": gsm8k,
 }
 _COMMON = {"name": "reverse", "truncated_reward": 0.0}
@@ -78,7 +81,7 @@ def task_config(name: str = "reverse", **overrides: Any) -> ml_collections.Confi
     Common keys: `name`, `truncated_reward` (reward of a completion that ended without EOS).
     reverse/copy/sort: `median_length`, `p99_length`, `min_length`, `max_length`,
     `partial_credit` ('none' | 'prefix'). countdown: `num_numbers`, `max_operand`,
-    `max_target`, `use_all_numbers`. gsm8k: `path`, `eval_path`, `eval_size`,
+    `max_target`, `use_all_numbers`. add: `terms`, `digits`, `digit_order`. gsm8k: `path`, `eval_path`, `eval_size`,
     `prompt_template`, `max_completion_tokens`.
     """
     defaults = _defaults()

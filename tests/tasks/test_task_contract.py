@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipelinerl_jax.tasks import get_task, is_held_out, task_config
 
-NAMES = ["reverse", "copy", "sort", "countdown", "gsm8k"]
+NAMES = ["reverse", "copy", "sort", "countdown", "add", "gsm8k"]
 
 
 @pytest.fixture(scope="module")
