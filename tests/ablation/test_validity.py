@@ -35,12 +35,14 @@ def test_every_verdict(base, other, want):
     assert validity.verdict(base, other) == want
 
 
-def _tables(root, out, arms, steps=40):
-    """arms: {label: {lag: drop}} x seeds 0-3 -> committed tables at `out`."""
+def _tables(root, out, arms, tag, steps=40):
+    """arms: {label: {lag: drop}} x seeds 0-3 -> committed tables at `out`; the noise is a
+    function of `tag`, the arm, lag and seed only (never of a temporary path), so every
+    run of the test sees the same numbers."""
     for label, lags in arms.items():
         for k, drop in lags.items():
             for seed in OFFSET:
-                noise = 0.003 * ((zlib.crc32(f"{root},{label},{k},{seed}".encode()) % 1001)
+                noise = 0.003 * ((zlib.crc32(f"{tag},{label},{k},{seed}".encode()) % 1001)
                                  / 500 - 1)
 
                 def acc(s, seed=seed, drop=drop, noise=noise):
@@ -60,9 +62,9 @@ def test_the_script_carries_each_conclusion_across(tmp_path):
     second (appears); m2po ran only in the first (not run)."""
     base = _tables(str(tmp_path / "b"), str(tmp_path / "main"), {
         "tis": {0: 0, 8: 0.05, 32: 0.08}, "ppo": {0: 0, 8: 0, 32: 0},
-        "m2po_authors": {0: 0, 8: 0.05}})
+        "m2po_authors": {0: 0, 8: 0.05}}, "base")
     other = _tables(str(tmp_path / "o"), str(tmp_path / "large"), {
-        "tis": {0: 0, 8: 0.05, 32: -0.08}, "ppo": {0: 0, 8: 0.06, 32: 0}}, steps=60)
+        "tis": {0: 0, 8: 0.05, 32: -0.08}, "ppo": {0: 0, 8: 0.06, 32: 0}}, "other", steps=60)
     out = tmp_path / "validity.md"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts",
                                                         "staleness_validity.py"),
