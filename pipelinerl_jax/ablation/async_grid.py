@@ -89,6 +89,15 @@ def families(grid: Grid, arms: Sequence[str], reference: str = protocol.REFERENC
     return out
 
 
+def pooled_lag_hist(runs) -> np.ndarray:
+    """Trained tokens per lag, summed over `runs` (results.lag_hist of each)."""
+    hists = [lag_hist(r) for r in runs]
+    out = np.zeros(max((h.size for h in hists), default=0))
+    for h in hists:
+        out[: h.size] += h
+    return out
+
+
 def realized_lag(r: Run) -> Dict[str, Optional[float]]:
     """The lags a run trained on (an outcome): the token-weighted mean, the share at lag 0,
     the largest lag holding tokens (`lag/hist` summed over the steps)."""
@@ -223,12 +232,7 @@ def figure(grid: Grid, out: str, lr: float) -> str:
         for k, ls in zip(bounds(grid), styles):
             if k not in cells:
                 continue
-            hist = np.zeros(0)
-            for r in cells[k].values():
-                v = lag_hist(r)
-                if v.size > hist.size:
-                    hist = np.pad(hist, (0, v.size - hist.size))
-                hist[: v.size] += v
+            hist = pooled_lag_hist(cells[k].values())
             if hist.sum():
                 ax_lag.plot(np.arange(hist.size), hist / hist.sum(), ls, color=color,
                             marker=".", label=f"{arm}, max_lag {k}")

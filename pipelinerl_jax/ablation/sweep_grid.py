@@ -58,8 +58,7 @@ def default_value(arm: str) -> Optional[float]:
     return None if v is None else float(v)
 
 
-def settings(grid: Grid, reference: Optional[Grid], lag: int,
-             defaults: Optional[Dict[str, Optional[float]]] = None) -> Dict[str, dict]:
+def settings(grid: Grid, reference: Optional[Grid], lag: int) -> Dict[str, dict]:
     """{arm: {"default": value, "cells": {value or DEFAULT: {seed: run}}, "default_from":
     'sweep' | 'reference' | None, "control": cell of the reference or None}}."""
     out: Dict[str, dict] = {}
@@ -70,7 +69,7 @@ def settings(grid: Grid, reference: Optional[Grid], lag: int,
         arm, value = p
         out.setdefault(arm, {"cells": {}})["cells"][value] = cells[lag]
     for arm, d in out.items():
-        dv = defaults[arm] if defaults and arm in defaults else default_value(arm)
+        dv = default_value(arm)
         ref = (reference or {}).get(arm, {}).get(lag)
         d["default"], d["control"] = dv, None
         if dv is not None and dv in d["cells"]:
