@@ -31,8 +31,9 @@ import numpy as np
 
 from pipelinerl_jax.ablation import protocol, stats
 from pipelinerl_jax.ablation.results import Run, lag_hist, stalest_diagnostics, summarize_run
-from pipelinerl_jax.ablation.staleness import (Grid, final_accuracy, learning_rate, loss_label,
-                                              put, sync_label)
+from pipelinerl_jax.ablation.staleness import (Grid, by_learning_rate, final_accuracy,
+                                              learning_rate, loss_label, put, sync_label,
+                                              with_sync_reference)
 
 SYNC = 0  # the bound of the synchronous reference (on-policy: every token at lag 0)
 
@@ -58,12 +59,8 @@ def async_grids(runs: Sequence[Run]) -> Dict[float, Grid]:
         if is_async(r):
             put(out.setdefault(learning_rate(r), {}), arm_label(r), int(r.get("max_lag")), r,
                 "bound")
-    for r in runs:
-        grid = out.get(learning_rate(r))
-        if (grid is not None and r.get("lag_injection.enabled", False) and r.evals
-                and int(r.get("lag_injection.k", 0) or 0) == 0 and arm_label(r) in grid):
-            put(grid, arm_label(r), SYNC, r, "bound")
-    return {lr: out[lr] for lr in sorted(out)}
+    injected = by_learning_rate(runs)
+    return {lr: with_sync_reference(out[lr], injected.get(lr, {})) for lr in sorted(out)}
 
 
 def bounds(grid: Grid) -> List[int]:
