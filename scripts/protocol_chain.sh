@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The pre-registered staleness grids in the order docs/staleness_study.md (Deviations,
-# 2026-12-05) fixes, each from the frozen worktree WT (commit 23f2b3c), results in W:
+# 2026-12-05 and 2026-12-06 sitting 19) fixes, each from the frozen worktree WT (commit 23f2b3c), results in W:
 #   bash scripts/protocol_chain.sh W WT [PID]
-# '' to its 32 seeds, then mb4 to its 30, then the secondary grids seed-major (seed s of
-# varlag, async, sweep, drift and large before seed s+1 of any). countdown and sort are not
-# run (their feasibility pilots failed). Finished runs are skipped, so it resumes; with PID it
+# '' to its 32 seeds, then mb4 to its 30, then the secondary grids one whole grid at a time,
+# in order of the machine time each has left: async, sweep (10 seeds each), varlag (30),
+# drift (10), large (30) (the order of the Deviation of 2026-12-06, sitting 19, in
+# docs/staleness_study.md, set on run time alone). countdown and sort are not run (their
+# feasibility pilots failed). Finished runs are skipped, so it resumes; with PID it
 # first waits for that process (a runner already going) to end. Runs at nice 19.
 # The runs this checkout committed (results/staleness_protocol) are copied into WT (untracked
 # there, so WT stays at the frozen commit) and skipped (FINISHED=1 for each grid that has
@@ -40,9 +42,11 @@ grid() {  # grid first_seed last_seed
 }
 grid main 0 31
 grid mb4 0 29
-for seed in $(seq 0 31); do
-  for g in varlag async sweep drift large; do grid "$g" "$seed" "$seed"; done
-done
+grid async 0 9
+grid sweep 0 9
+grid varlag 0 29
+grid drift 0 9
+grid large 0 29
 echo "=== $(date -u +%H:%M:%S) chain: done"
 exit
 }
