@@ -187,8 +187,9 @@ def main(argv):
                     print(f"sweep_settings: {sweep_grid.figure(sets, _FIGURES.value, lag, lr)}",
                           file=sys.stderr)
     lines, out_json["provenance"] = provenance_section(runs + refs)
-    parts += lines + ["# Secondary analyses (not the protocol's primary endpoint or families)",
-                      ""]
+    parts += lines
+    if groups:  # the lag-injected grids' secondary tables (an async-only grid has none)
+        parts += ["# Secondary analyses (not the protocol's primary endpoint or families)", ""]
     for lr, grid in groups.items():
         main = staleness.main_arms(grid)
         ess = staleness.ess_analysis(main, _ESS.value)

@@ -119,6 +119,7 @@ def test_the_report_reads_the_async_grid_through_the_script(tmp_path):
     text = out.read_text()
     assert "## Real asynchronous runs (the `async` grid), learning rate 5e-05" in text
     assert (tmp_path / "figs" / "async_bounds.png").exists()
+    assert "# Secondary analyses" not in text  # no lag-injected runs: no empty heading
     assert "| staleness_clip (minibatches=4) | 16 | 4 |" in text  # the outcome table
     balance = [x for x in text.splitlines() if x.startswith("| staleness_clip (minibatches=4)"
                                                             " | ppo (minibatches=4) | 16 |")]
