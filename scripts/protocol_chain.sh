@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The pre-registered staleness grids in the order docs/staleness_study.md (Deviations,
-# 2026-12-05 and 2026-12-06 sitting 19) fixes, each from the frozen worktree WT (commit 23f2b3c), results in W:
+# 2026-12-05 and 2026-12-06 sitting 19) fixes, each from the frozen worktree WT (commit
+# 23f2b3c), results in W:
 #   bash scripts/protocol_chain.sh W WT [PID]
 # '' to its 32 seeds, then mb4 to its 30, then the secondary grids one whole grid at a time,
 # in order of the machine time each has left: async, sweep (10 seeds each), varlag (30),
