@@ -78,9 +78,12 @@ def protocol_section(grid, lr, with_ref=None) -> tuple:
     borrowed = sorted(a for a in grid if 0 in grid[a] and 0 not in own.get(a, {}))
     lags = [int(k) for k in _LAGS.value]
     arms, fams = protocol.families(grid, fn, _ARMS.value, lags, own=own)
-    lines = [f"## Protocol, learning rate {lr:g}: primary endpoint (final held-out accuracy)", "",
-             f"Key arms present: {', '.join(arms) or 'none'}; confirmatory lags: "
-             f"{', '.join(map(str, lags))}. Holm within each family, 5% two-sided.", ""]
+    lines = [f"## Protocol, learning rate {lr:g}: primary endpoint (final held-out accuracy)", ""]
+    if not arms:  # e.g. the `sweep` grid: its registered analysis is its own section
+        return lines + [f"This grid holds none of the key arms ({', '.join(_ARMS.value)}): "
+                        "the protocol's families 0-2 do not apply to it.", ""], fams
+    lines += [f"Key arms present: {', '.join(arms)}; confirmatory lags: "
+              f"{', '.join(map(str, lags))}. Holm within each family, 5% two-sided.", ""]
     null = fams["null control"]
     verdict = ("NOT TESTED: no pair of arms of this grid ran at lag 0" if not null else
                f"{'PASSES' if not any(r['significant'] for r in null) else 'FAILS'}: "
@@ -234,7 +237,9 @@ def main(argv):
                   "### Arms that are the same update", "",
                   staleness.identical_markdown(same, notes), "",
                   "### Does the ESS of the stalest lag bucket predict the drop?", "",
-                  staleness.ess_markdown(ess), ""]
+                  staleness.ess_markdown(ess) if any(0 in c for c in main.values()) else
+                  "Not computed: no arm of this grid ran at lag 0, so there is no drop to "
+                  "predict.", ""]
         if _POSTHOC.value:
             extra["posthoc"] = posthoc_section(main)[1]
         out_json[f"{lr:g}"] = {"accuracy": staleness.accuracy_table(grid), "ess": ess,

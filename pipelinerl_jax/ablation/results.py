@@ -63,6 +63,10 @@ CONFIG_COLUMNS = {
     "eval_size": "learner.eval_size", "loss_cap": "loss.cap", "loss_tau": "loss.tau",
     "loss_form": "loss.form", "loss_floor_low": "loss.floor_low",
     "loss_floor_high": "loss.floor_high",
+    # the `sweep` grid's other key settings (ablation/sweep_grid.py): without them a table's
+    # decoupled_ppo read as uncapped whatever its behaviour cap
+    "loss_behave_cap": "loss.behave_cap", "loss_eps_low": "loss.eps_low",
+    "loss_eps_high": "loss.eps_high", "loss_high": "loss.high",
 }
 _FIRST_METRICS = ("step", "version", "wall_time_s", "eval/accuracy", "accuracy", "reward/mean",
                   "lag/mean", "loss/ess", "loss/clip_frac", "loss/kl_k3")

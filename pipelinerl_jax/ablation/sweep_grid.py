@@ -76,8 +76,11 @@ def settings(grid: Grid, reference: Optional[Grid], lag: int) -> Dict[str, dict]
             d["default_from"], d["control"] = "sweep", ref
             d["cells"][DEFAULT] = d["cells"][dv]
         elif ref:
+            # the reference's runs at the sweep's seeds only: every table and the figure
+            # then read one set of seeds (the `''` grid ran more than the sweep)
+            seeds = {s for c in d["cells"].values() for s in c}
             d["default_from"] = "reference"
-            d["cells"][DEFAULT] = ref
+            d["cells"][DEFAULT] = {s: r for s, r in ref.items() if s in seeds}
         else:
             d["default_from"] = None
     return {a: out[a] for a in ARMS if a in out}

@@ -15,9 +15,10 @@ def _bucket(lag):
 
 
 def _config(mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0, seed=0,
-            cap=None, minibatches=1, steps=12, lr=1e-4, form=None):
+            cap=None, minibatches=1, steps=12, lr=1e-4, form=None, loss_hp=None):
     return {"mode": mode, "max_lag": max_lag, "seed": seed,
-            "loss": {"name": loss, "cap": cap, **({"form": form} if form else {})}, "engine": {"kv_policy": kv},
+            "loss": {"name": loss, "cap": cap, **({"form": form} if form else {}),
+                     **(loss_hp or {})}, "engine": {"kv_policy": kv},
             "lag_injection": {"enabled": injected, "kind": "fixed", "k": k, "max_k": k},
             "learner": {"batch_groups": 2, "total_steps": steps, "eval_every": 4,
                         "minibatches": minibatches, "optimizer": {"learning_rate": lr}},
@@ -26,13 +27,15 @@ def _config(mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0,
 
 def write_run(path, *, mode="async", max_lag=4, loss="tis", kv="keep", injected=False, k=0,
               seed=0, steps=12, spec=True, labels=None, cap=None, minibatches=1, acc_fn=None,
-              kl_fn=None, ess_fn=None, lr=1e-4, form=None, lag=None):
+              kl_fn=None, ess_fn=None, lr=1e-4, form=None, lag=None, loss_hp=None):
     """One run directory; returns its path. `acc_fn(step)`, `kl_fn(step)`, `ess_fn(step)`
     replace the default laws of the accuracy, KL k3 and ESS; `lag`, the lag every trained
-    token has (default: the injected one, 0 in sync, min(max_lag, 2) in async)."""
+    token has (default: the injected one, 0 in sync, min(max_lag, 2) in async); `loss_hp`,
+    more of the loss's hyperparameters (e.g. {"behave_cap": 2})."""
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed * 101 + k + 7 * max_lag + len(loss))
-    cfg = _config(mode, max_lag, loss, kv, injected, k, seed, cap, minibatches, steps, lr, form)
+    cfg = _config(mode, max_lag, loss, kv, injected, k, seed, cap, minibatches, steps, lr, form,
+                  loss_hp)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     if spec:

@@ -20,7 +20,7 @@ OFFSET = {0: -0.03, 1: 0.0, 2: 0.035}
 LAG = 8
 
 
-def _write(root, label, loss, noise_key, drop=0.0):
+def _write(root, label, loss, noise_key, drop=0.0, loss_hp=None):
     for seed in OFFSET:
         noise = 0.004 * ((zlib.crc32(f"{noise_key},{seed}".encode()) % 1001) / 500 - 1)
 
@@ -28,7 +28,8 @@ def _write(root, label, loss, noise_key, drop=0.0):
             return 0.30 + (0.15 - drop) * s / 40 + OFFSET[seed] + noise * (s == 40)
         synthetic.write_run(os.path.join(root, "runs", f"{label}_{seed}"), loss=loss,
                             injected=True, k=LAG, seed=seed, steps=40, lr=2e-4, acc_fn=acc,
-                            labels={"loss": label, "lag": str(LAG), "seed": str(seed)})
+                            labels={"loss": label, "lag": str(LAG), "seed": str(seed)},
+                            loss_hp=loss_hp)
 
 
 def _tables(tmp_path):
@@ -41,7 +42,8 @@ def _tables(tmp_path):
             ("tis_cap2", "tis", "tis2", 0.0), ("tis_cap4", "tis", "tis4", 0.0),
             ("tis_cap8", "tis", "tis8", 0.0), ("decoupled_ppo_cap2", "decoupled_ppo", "d2", 0.08),
             ("decoupled_ppo_cap5", "decoupled_ppo", "d5", 0.0)):
-        _write(sweep, label, loss, key, drop)
+        cap = sweep_grid.parse(label)[1] if loss == "decoupled_ppo" else None
+        _write(sweep, label, loss, key, drop, loss_hp=cap and {"behave_cap": cap})
     main = str(tmp_path / "main_runs")
     for label, key in (("ppo", "ppo0.2"), ("tis", "another"), ("decoupled_ppo", "dnone")):
         _write(main, label, label, key)
@@ -69,7 +71,12 @@ def test_settings_take_the_default_from_the_reference_where_the_sweep_has_none(t
     assert list(sets) == ["ppo", "tis", "decoupled_ppo"]
     assert sets["ppo"]["default_from"] == "sweep" and sets["ppo"]["default"] == 0.2
     assert sets["decoupled_ppo"]["default_from"] == "reference"
-    assert sets["decoupled_ppo"]["cells"][sweep_grid.DEFAULT] is ref["decoupled_ppo"][LAG]
+    assert sets["decoupled_ppo"]["cells"][sweep_grid.DEFAULT] == ref["decoupled_ppo"][LAG]
+    # a reference seed the sweep did not run is left out of the default cell (the figure's
+    # dashed line averaged all 32 of the `''` grid's seeds, the tables the sweep's 10)
+    ref["decoupled_ppo"][LAG][99] = ref["decoupled_ppo"][LAG][0]
+    assert sorted(sweep_grid.settings(grid, ref, LAG)["decoupled_ppo"]["cells"][
+        sweep_grid.DEFAULT]) == sorted(OFFSET)
     assert sweep_grid.settings(grid, None, LAG)["decoupled_ppo"]["default_from"] is None
     assert {r["arm"]: (r["shared"], r["identical"]) for r in sweep_grid.control(sets)} == {
         "ppo": (3, 3), "tis": (3, 0)}
@@ -105,3 +112,10 @@ def test_the_report_reads_the_sweep_through_the_script(tmp_path):
     assert "| ppo 0.3 | ppo default (0.2) | 3 | **-10." in text
     assert "| tis | 3 | 0 |" in text and "optimistic" in text
     assert (tmp_path / "figs" / "sweep_settings.png").exists()
+    # no key arm and no lag 0: no empty protocol families, no vacuous ESS "prediction"
+    assert "do not apply to it" in text and "Null control" not in text
+    assert "Not computed: no arm of this grid ran at lag 0" in text
+    assert "ESS predicted it" not in text
+    # the behaviour cap travels through the committed tables (it read "uncapped" before)
+    assert "`decoupled_ppo_cap2` is token IS against the behaviour policy, weight capped at 2" \
+        in text
