@@ -237,9 +237,7 @@ def main(argv):
                   "### Arms that are the same update", "",
                   staleness.identical_markdown(same, notes), "",
                   "### Does the ESS of the stalest lag bucket predict the drop?", "",
-                  staleness.ess_markdown(ess) if any(0 in c for c in main.values()) else
-                  "Not computed: no arm of this grid ran at lag 0, so there is no drop to "
-                  "predict.", ""]
+                  staleness.ess_markdown(ess), ""]
         if _POSTHOC.value:
             extra["posthoc"] = posthoc_section(main)[1]
         out_json[f"{lr:g}"] = {"accuracy": staleness.accuracy_table(grid), "ess": ess,

@@ -328,6 +328,8 @@ def _lag_text(k: Optional[int], lags: Sequence[int]) -> str:
 def ess_markdown(analysis: dict) -> str:
     """Markdown: per loss, the lag where stalest-bucket ESS < threshold and the lag where the
     accuracy drop is significant; then the across-cell classifier and correlations."""
+    if not any(0 in a["ess"] for a in analysis["losses"].values()):
+        return "Not computed: no arm of this grid ran at lag 0, so there is no drop to predict."
     t = analysis["threshold"]
     out = [f"| loss | ESS of stalest bucket by lag | first lag ESS < {t:g} | first lag "
            f"accuracy significantly below lag 0 | ESS predicted it |", "|---|---|---|---|---|"]
