@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from pipelinerl_jax.ablation import stats
+from pipelinerl_jax.ablation import protocol, stats
 from pipelinerl_jax.ablation.results import Run, stalest_diagnostics, summarize_run
 
 ESS_THRESHOLD = 0.5
@@ -391,21 +391,30 @@ def identical_arms(grid: Grid) -> List[dict]:
 
 def pairwise(grid: Grid, fn=final_accuracy, min_lag: int = 4) -> List[dict]:
     """Every pair of arms at every lag >= min_lag that both ran: the seed-paired difference
-    (a - b), its 95% half-width, the SD of the per-seed differences and the minimum
-    detectable effect at 80% power (stats.min_detectable_effect)."""
+    (a - b), its 95% half-width, the SD of the per-seed differences, the minimum detectable
+    effect at 80% power (stats.min_detectable_effect), the raw paired-t p and the p Holm-
+    adjusted within the lag (the protocol's rule for all pairs at a lag: secondary)."""
     rows, labels = [], _order(grid)
     lags = sorted({k for cells in grid.values() for k in cells if k >= min_lag})
     for k in lags:
+        at_lag = []
         for i, a in enumerate(labels):
             for b in labels[i + 1:]:
                 if k not in grid[a] or k not in grid[b]:
                     continue
-                c = versus(grid[a][k], grid[b][k], fn)
+                pa, pb = per_seed(grid[a][k], fn), per_seed(grid[b][k], fn)
+                c = stats.compare(pa, pb)
                 if not c.paired:
                     continue
-                rows.append({"lag": k, "a": a, "b": b, "n": c.n, "diff": c.diff,
-                             "half": c.half, "sd": c.sd, "verdict": c.verdict,
-                             "mde": stats.min_detectable_effect(c.sd, c.n)})
+                d = [pa[s] - pb[s] for s in pa
+                     if s in pb and pa[s] is not None and pb[s] is not None]
+                at_lag.append({"lag": k, "a": a, "b": b, "n": c.n, "diff": c.diff,
+                               "half": c.half, "sd": c.sd, "verdict": c.verdict,
+                               "mde": stats.min_detectable_effect(c.sd, c.n),
+                               "p": protocol.paired_p(d)})
+        for r, q in zip(at_lag, protocol.holm([r["p"] for r in at_lag])):
+            r["p_holm_lag"] = q
+        rows += at_lag
     return rows
 
 
@@ -492,13 +501,30 @@ def identical_markdown(same: Sequence[dict], notes: Dict[str, str]) -> str:
 
 
 def pairwise_markdown(rows: Sequence[dict], scale: float = 100.0) -> str:
-    """The significant pairs, and for each lag the pairs' MDE."""
+    """The pairs whose uncorrected 95% interval excludes 0, each with its MDE, raw p and p
+    Holm-adjusted within its lag (bold where < 0.05: significant under the protocol's rule for
+    all pairs at a lag)."""
     sig = [r for r in rows if r["verdict"] in ("better", "worse")]
-    out = ["| lag | a | b | a - b (pts) | 95% half-width | MDE |", "|---|---|---|---|---|---|"]
+    if not sig:
+        return "No pair of arms differs significantly at any lag >= 4, even uncorrected."
+    out = ["| lag | a | b | a - b (pts) | 95% half-width | MDE | p | p (Holm, within the lag) |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in sorted(sig, key=lambda r: (r["lag"], -abs(r["diff"]))):
+        q = r["p_holm_lag"]
+        holm = f"**{q:.3g}**" if q < protocol.ALPHA else f"{q:.3g}"
         out.append(f"| {r['lag']} | {r['a']} | {r['b']} | {r['diff'] * scale:+.1f} | "
-                   f"{r['half'] * scale:.1f} | {r['mde'] * scale:.1f} |")
-    return "\n".join(out) if sig else "No pair of arms differs significantly at any lag >= 4."
+                   f"{r['half'] * scale:.1f} | {r['mde'] * scale:.1f} | {r['p']:.3g} | "
+                   f"{holm} |")
+    held = sum(r["p_holm_lag"] < protocol.ALPHA for r in sig)
+    counts = {}
+    for r in rows:
+        counts[r["lag"]] = counts.get(r["lag"], 0) + 1
+    out += ["", f"Secondary. Listed: the pairs whose uncorrected 95% interval excludes 0 "
+                f"({len(sig)}). Holm within each lag (over its "
+                f"{', '.join(f'{n} pairs at lag {k}' for k, n in sorted(counts.items()))}), "
+                f"the protocol's rule for all pairs at a lag: {held} of {len(sig)} hold "
+                f"(bold)."]
+    return "\n".join(out)
 
 
 def reductions(grid: Grid) -> Dict[str, str]:

@@ -183,3 +183,41 @@ def test_resolution_says_how_many_seeds_each_comparison_needs():
     (r8,) = [r for r in staleness.resolution(rows) if r["lag"] == 8]
     assert r8["seeds_needed_max"] is None  # an SD that is not a number: "-" (JSON-safe)
     assert f"| {need[1]} / " in staleness.resolution_markdown(rows)
+
+
+def test_all_pairs_table_adjusts_holm_within_each_lag(tmp_path):
+    # The protocol's rule for all pairs at a lag is Holm within the lag (docs/staleness_study.md,
+    # Protocol): a pair whose raw interval excludes 0 but whose Holm p does not stay under 5% is
+    # listed unbolded. Oracle: scipy's paired t-test and Holm's step-down written out here.
+    from scipy import stats as sps
+    rng = np.random.default_rng(1)
+    noise = {(arm, s): rng.normal(0, 0.02) for arm in "abcd" for s in range(8)}
+    eff = {"a": 0.0, "b": 0.015, "c": 0.2, "d": 0.0}
+    mk = lambda arm: (lambda s, k, st: 0.4 - eff[arm] * (k > 0) + noise[(arm, s)])  # noqa: E731
+    grid = _grid(tmp_path, {"ppo": ("ppo", mk("a")), "tis": ("tis", mk("b")),
+                            "reinforce": ("reinforce", mk("c")), "m2po": ("m2po", mk("d"))},
+                 seeds=range(8))
+    rows = staleness.pairwise(grid, min_lag=0)  # lags 0 and 4: Holm runs within each
+    assert len(rows) == 12 and [r["lag"] for r in rows] == [0] * 6 + [4] * 6
+    for k in (0, 4):
+        at = [r for r in rows if r["lag"] == k]
+        final = {lab: staleness.per_seed(grid[lab][k], staleness.final_accuracy) for lab in grid}
+        ps = []
+        for r in at:
+            want = sps.ttest_rel([final[r["a"]][s] for s in range(8)],
+                                 [final[r["b"]][s] for s in range(8)]).pvalue
+            assert math.isclose(r["p"], want, rel_tol=1e-6)
+            ps.append(r["p"])
+        holm, running = [0.0] * 6, 0.0
+        for rank, i in enumerate(np.argsort(ps)):
+            running = max(running, min(1.0, (6 - rank) * ps[i]))
+            holm[i] = running
+        assert [r["p_holm_lag"] for r in at] == holm
+    rows = [r for r in rows if r["lag"] == 4]
+    raw_only = [r for r in rows if r["verdict"] != "n.s." and r["p_holm_lag"] >= 0.05]
+    held = [r for r in rows if r["p_holm_lag"] < 0.05]
+    assert raw_only and held  # the fixture has both kinds
+    text = staleness.pairwise_markdown(rows)
+    assert f"| {raw_only[0]['p_holm_lag']:.3g} |" in text
+    assert f"| **{held[0]['p_holm_lag']:.3g}** |" in text
+    assert f"{len(held)} of {len(held) + len(raw_only)} hold" in text
