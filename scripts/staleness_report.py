@@ -82,8 +82,10 @@ def protocol_section(grid, lr, with_ref=None) -> tuple:
     if not arms:  # e.g. the `sweep` grid: its registered analysis is its own section
         return lines + [f"This grid holds none of the key arms ({', '.join(_ARMS.value)}): "
                         "the protocol's families 0-2 do not apply to it.", ""], fams
-    lines += [f"Key arms present: {', '.join(arms)}; confirmatory lags: "
-              f"{', '.join(map(str, lags))}. Holm within each family, 5% two-sided.", ""]
+    lines += [f"Key arms present: {', '.join(arms)}; the families' lags: "
+              f"{', '.join(map(str, lags))} (confirmatory only in the `''` and `mb4` grids; "
+              "every other grid is secondary, docs/staleness_study.md). Holm within each "
+              "family, 5% two-sided.", ""]
     null = fams["null control"]
     verdict = ("NOT TESTED: no pair of arms of this grid ran at lag 0" if not null else
                f"{'PASSES' if not any(r['significant'] for r in null) else 'FAILS'}: "
@@ -246,14 +248,13 @@ def main(argv):
     drops = []  # each seed's paired drop: the drift models and the published-terms figure
     if len(groups) > 1:
         drops = drift.seed_drops({lr: staleness.main_arms(g) for lr, g in groups.items()})
-        cells = staleness.drift_cells({f"lr {lr:g}": staleness.main_arms(g)
-                                       for lr, g in groups.items()})
-        per = staleness.drift_vs_lag(cells)
+        cells = staleness.drift_cells({lr: staleness.main_arms(g) for lr, g in groups.items()})
+        per = staleness.kl_vs_inputs(cells)
         models = drift.drift_models(drops)
         parts += ["## Drift models: the drop from inputs set before the run (the protocol's)",
                   "", drift.drift_models_markdown(models), "",
-                  "## Staleness as drift: accuracy drop vs measured KL (an outcome of each "
-                  "run, not an input)", "", staleness.drift_markdown(cells, per), ""]
+                  "## Measured drift: KL as an outcome of each run (not an input)", "",
+                  staleness.drift_markdown(cells, per), ""]
         out_json["drift"] = {"cells": cells, "per_loss": per, "models": models}
     text = "\n".join(parts)
     if _OUT.value:

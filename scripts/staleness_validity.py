@@ -7,8 +7,10 @@ validity: docs/staleness_study.md; the rule in pipelinerl_jax/ablation/validity.
 Both are lag-injected grids (committed tables or run directories). Each one's protocol
 families 1 and 2 are computed on the primary endpoint (final held-out accuracy) with its own
 Holm correction, at the learning rate both hold (--lr to choose among several), and every
-comparison of the first gets a verdict in the second: holds, reverses, not seen, unresolved,
-null in both, appears, not run. `--json` also prints the rows as one JSON line.
+comparison of the first gets a verdict in the second, the unfavourable first: reverses, not
+seen, unresolved, appears, holds, null in both, not run. Each grid's null control (family 0)
+is printed above the table; if either fails, every verdict is void (the protocol makes no
+claim of that grid). `--json` also prints the rows as one JSON line.
 """
 import json
 import os
@@ -61,16 +63,19 @@ def main(argv):
                              "--lr)")
     lags = [int(k) for k in _LAGS.value]
     fn = staleness.final_accuracy
-    fams = [protocol.families(staleness.main_arms(g[lr]), fn, _ARMS.value, lags)[1]
-            for g in (base, other)]
-    rows = validity.across(*fams)
     names = _NAMES.value or [os.path.basename(os.path.normpath(p[0]))
                              for p in (_BASE.value, _OTHER.value)]
     if len(names) != 2:
         raise app.UsageError("--names takes two names")
+    fams = [protocol.families(staleness.main_arms(g[lr]), fn, _ARMS.value, lags)[1]
+            for g in (base, other)]
+    rows = validity.across(*fams)
+    nulls = {n: validity.null_control(f) for n, f in zip(names, fams)}
+    for r in rows:  # a failed null control voids every verdict (no claim of that grid)
+        r["void"] = not all(ok for ok, _, _ in nulls.values())
     text = "\n".join([f"## Which conclusions of `{names[0]}` hold in `{names[1]}` (learning "
                       f"rate {lr:g}, primary endpoint)", "",
-                      validity.markdown(rows, names[0], names[1]), ""])
+                      validity.markdown(rows, names[0], names[1], nulls=nulls), ""])
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             f.write(text)

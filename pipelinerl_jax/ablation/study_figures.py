@@ -26,7 +26,7 @@ from pipelinerl_jax.ablation import repro, stats
 from pipelinerl_jax.ablation.plotting import Skip, colors, plt, save
 from pipelinerl_jax.ablation.results import Run
 from pipelinerl_jax.ablation.staleness import (by_learning_rate, cell_interval, drift_cells,
-                                               drift_vs_lag, ess_analysis, ess_stalest,
+                                               kl_vs_inputs, ess_analysis, ess_stalest,
                                                lag_grid, main_arms)
 
 
@@ -83,20 +83,22 @@ def drop_vs_drift(runs: Sequence[Run], out: str) -> dict:
     if len(groups) < 2:
         raise Skip("needs lag-injected grids at two learning rates (configs/ablate/staleness.py "
                    "and its :lowlr)")
-    cells = drift_cells({f"lr {lr:g}": main_arms(g) for lr, g in groups.items()})
+    cells = drift_cells({lr: main_arms(g) for lr, g in groups.items()})
     if not cells:
         raise Skip("needs cells at lag 0 and lag > 0 with per-bucket KL")
-    per = drift_vs_lag(cells)
+    per = kl_vs_inputs(cells)
     base = sorted({c["loss"].split(" (")[0] for c in cells})
     color = dict(zip(base, colors(len(base))))
-    marks = dict(zip(sorted({c["group"] for c in cells}), "os^D"))
+    rates = sorted({c["lr"] for c in cells})  # numeric order; one marker and offset each
+    marks = {f"lr {lr:g}": m for lr, m in zip(rates, "os^Dv")}
+    shift = {f"lr {lr:g}": 1.06 ** i for i, lr in enumerate(rates)}
     fig, (ax, ax_lag) = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
     for c in cells:
         b = c["loss"].split(" (")[0]
         kw = dict(color=color[b], marker=marks[c["group"]], ms=5, capsize=2, lw=0.8,
                   mfc=color[b] if c["verdict"] == "worse" else "white")
         ax.errorbar([c["kl_k3"]], [100 * c["drop"]], yerr=[[100 * _h(c)], [100 * _h(c)]], **kw)
-        ax_lag.errorbar([c["lag"] * (1.06 if marks[c["group"]] != "o" else 1.0)],
+        ax_lag.errorbar([c["lag"] * shift[c["group"]]],
                         [100 * c["drop"]], yerr=[[100 * _h(c)], [100 * _h(c)]], **kw)
     for b in base:
         ax.plot([], [], color=color[b], lw=2, label=b)
@@ -106,7 +108,7 @@ def drop_vs_drift(runs: Sequence[Run], out: str) -> dict:
     ax_lag.set_xscale("log", base=2)
     ax.set(xlabel="measured drift: KL(behaviour || current) k3, stalest bucket (cell mean)",
            ylabel="final accuracy - lag 0 (points, paired 95% t)",
-           title="drop vs drift (filled: significant)")
+           title="drop vs measured drift, two outcomes (filled: significant)")
     ax_lag.set(xlabel="injected lag k (versions)", title="drop vs lag")
     for x in (ax, ax_lag):
         x.axhline(0, color="gray", ls=":", lw=1)

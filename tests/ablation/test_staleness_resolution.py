@@ -97,18 +97,23 @@ def test_decoupled_losses_are_labelled_with_what_they_reduce_to(tmp_path):
     assert "1 + (2 - 1)·s(lag)" in notes["staleness_clip"]
 
 
-def test_drift_analysis_prefers_the_predictor_that_explains_both_learning_rates():
-    # drop = -0.05·log(KL/1e-3): a pure function of drift; the low learning rate has 1/16 of
-    # the drift at each lag, so lag alone explains the two groups badly.
+def test_kl_is_described_as_an_outcome_of_the_inputs_never_as_a_predictor():
+    # KL grows with rate x lag (the low rate drifts 1/16 as far at each lag): its table says
+    # how KL follows the inputs; nothing in it relates KL to the accuracy drop
     rows = []
-    for group, scale in (("hi", 1.0), ("lo", 1 / 16)):
+    for lr in (1e-4, 1.6e-3):
         for k in (1, 2, 4, 8, 16, 32):
-            kl = 1e-3 * k * scale
-            rows.append({"group": group, "loss": "tis", "lag": k, "kl_k3": kl,
-                         "drop": -0.05 * math.log(kl / 1e-4), "half": 0.01,
+            rows.append({"group": f"lr {lr:g}", "lr": lr, "loss": "tis", "lag": k,
+                         "kl_k3": 3e-2 * lr * k, "drop": -0.01 * k, "half": 0.01,
                          "verdict": "worse", "ess": 0.5, "n": 3})
-    per = staleness.drift_vs_lag(rows)["tis"]
-    assert per["r2_kl"] > 0.99 and per["r2_lag"] < per["r2_kl"] - 0.2
+    per = staleness.kl_vs_inputs(rows)["tis"]
+    assert per["cells"] == 12 and per["r2_kl_on_product"] > 0.999
+    assert per["r2_kl_on_lag"] < 0.6 and per["spearman_kl_product"] > 0.99
+    assert set(per) == {"cells", "r2_kl_on_lag", "r2_kl_on_product", "spearman_kl_product"}
+    text = staleness.drift_markdown(rows, {"tis": per})
+    assert "Groups: lr 0.0001, lr 0.0016." in text  # numeric order, not string order
+    assert "never used to predict the accuracy drop" in text and "R² on log KL" not in text
+    assert staleness.kl_vs_inputs(rows[:6]) == {}  # one rate: nothing pooled
 
 
 def test_export_of_finished_runs_leaves_out_a_run_stopped_mid_way(tmp_path):

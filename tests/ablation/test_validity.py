@@ -35,15 +35,36 @@ def test_every_verdict(base, other, want):
     assert validity.verdict(base, other) == want
 
 
+def test_rows_come_unfavourable_first_and_a_failed_null_control_voids_them():
+    fam = {"staleness cost": [dict(_row(-0.1, True), lag_a=k) for k in (8, 16, 32, 64)],
+           "null control": [dict(_row(0.0, False), lag_a=0)]}
+    other = {"staleness cost": [dict(_row(-0.1, True), lag_a=8),  # holds
+                                dict(_row(+0.1, True), lag_a=16),  # reverses
+                                dict(_row(0.0, False, mde=0.5), lag_a=32)],  # unresolved
+             "null control": [dict(_row(0.03, True), lag_a=0)]}
+    rows = validity.across(fam, other)
+    assert [(r["verdict"], r["comparison"][1]) for r in rows] == [
+        ("reverses", 16), ("unresolved", 32), ("holds", 8), ("not run", 64)]
+    assert validity.null_control(fam) == (True, 1, 0)
+    assert validity.null_control(other) == (False, 1, 1)
+    text = validity.markdown(rows, "a", "b", nulls={"a": validity.null_control(fam),
+                                                    "b": validity.null_control(other)})
+    assert "Null control of `a`: passes" in text
+    assert "Null control of `b`: **FAILS** (1 of 1 pairs" in text
+    assert "| void (reverses) |" in text and "| holds |" not in text
+    assert "| holds |" in validity.markdown(rows, "a", "b")
+
+
 def _tables(root, out, arms, tag, steps=40):
-    """arms: {label: {lag: drop}} x seeds 0-3 -> committed tables at `out`; the noise is a
-    function of `tag`, the arm, lag and seed only (never of a temporary path), so every
+    """arms: {label: {lag: drop}} x seeds 0-3 -> committed tables at `out`; the noise (none
+    at lag 0) is a function of `tag`, the arm, lag and seed only (never of a temporary path), so every
     run of the test sees the same numbers."""
     for label, lags in arms.items():
         for k, drop in lags.items():
             for seed in OFFSET:
+                # none at lag 0: there the arms are one update (the null control passes)
                 noise = 0.003 * ((zlib.crc32(f"{tag},{label},{k},{seed}".encode()) % 1001)
-                                 / 500 - 1)
+                                 / 500 - 1) * (k > 0)
 
                 def acc(s, seed=seed, drop=drop, noise=noise):
                     return 0.30 + (0.15 - drop) * s / steps + OFFSET[seed] + noise * (s == steps)
@@ -80,6 +101,10 @@ def test_the_script_carries_each_conclusion_across(tmp_path):
     assert got[("staleness cost", "ppo", 32, "ppo", 0)] == "null in both"
     assert got[("staleness cost", "m2po_authors", 8, "m2po_authors", 0)] == "not run"
     assert got[("vs PPO-clip", "tis", 32, "ppo", 32)] == "reverses"
+    assert [r["verdict"] for r in rows][:2] == ["reverses", "reverses"]  # unfavourable first
+    assert not any(r["void"] for r in rows)
     text = out.read_text()
     assert "## Which conclusions of `main` hold in `large` (learning rate 0.0002" in text
+    assert "Null control of `main`: passes (0 of 3 pairs" in text
+    assert "Null control of `large`: passes (0 of 1 pairs" in text
     assert "| staleness cost | tis @ 8 - tis @ 0 | **-5." in text
