@@ -77,3 +77,29 @@ def test_the_two_released_m2po_arms_stay_apart_in_the_verdict(tmp_path):
     (v,) = repro.verdicts("m2po_stale", runs)
     assert {r["arm"] for r in v["rows"]} == {"m2po_released", "m2po_authors", "tis"}
     assert "m2po_authors - tis at lag 32" in v["extra"]
+
+
+def test_registered_grids_share_runs_only_where_the_docs_say():
+    """Two grids that expand to the same run config train the same run (the frozen code is
+    deterministic): `drift`'s lr-2e-4 cells at lags 0, 8, 32 are `''`'s, and all 150 shared
+    runs ended identical (docs/staleness_study.md, "Protocol results: `drift`"), a rerun the
+    docs must not call a replication. Any other overlap a new grid adds fails here."""
+    import itertools
+    import json
+    expanded, seeds = {}, {}
+    for arg in ("", "mb4", "varlag", "async", "sweep", "drift", "large"):
+        c = staleness_protocol.get_config(arg)
+        seeds[arg] = set(c.axes.seed.levels)
+        c.axes.seed.levels = (0,)
+        expanded[arg] = {json.dumps(r.config.to_dict(), sort_keys=True, default=str): r.labels
+                         for r in grid.expand(c)}
+    shared = {}
+    for a, b in itertools.combinations(expanded, 2):
+        common = set(expanded[a]) & set(expanded[b])
+        if common:
+            shared[(a, b)] = sorted((expanded[b][k]["loss"], int(expanded[b][k]["lag"]),
+                                     expanded[b][k].get("lr")) for k in common)
+    assert list(shared) == [("", "drift")]
+    arms = {"reinforce", "ppo", "tis", "decoupled_ppo", "m2po_authors"}
+    assert shared[("", "drift")] == sorted((a, k, "0.0002") for a in arms for k in (0, 8, 32))
+    assert len(shared[("", "drift")]) * len(seeds[""] & seeds["drift"]) == 150
