@@ -1,5 +1,7 @@
 """The pre-registered grids (configs/ablate/staleness_protocol.py) expand to what the protocol
 states, every run's config validates, and the quick grid's lag contrasts print."""
+import itertools
+import json
 import os
 import sys
 
@@ -84,10 +86,8 @@ def test_registered_grids_share_runs_only_where_the_docs_say():
     deterministic): `drift`'s lr-2e-4 cells at lags 0, 8, 32 are `''`'s, and all 150 shared
     runs ended identical (docs/staleness_study.md, "Protocol results: `drift`"), a rerun the
     docs must not call a replication. Any other overlap a new grid adds fails here."""
-    import itertools
-    import json
     expanded, seeds = {}, {}
-    for arg in ("", "mb4", "varlag", "async", "sweep", "drift", "large"):
+    for arg in staleness_protocol.ARGS:  # every registered grid, so a new one is checked too
         c = staleness_protocol.get_config(arg)
         seeds[arg] = set(c.axes.seed.levels)
         c.axes.seed.levels = (0,)
