@@ -47,6 +47,18 @@ grid async 0 9
 grid sweep 0 9
 grid varlag 0 29
 grid drift 0 9
+# large's warm start is pinned (Deviations, sitting 23): the same config retrains a different
+# one on another CPU (AMD EPYC: 34.4% at step 399; Intel Xeon: 30.1% at step 430), so every
+# machine runs from the committed copy, and a W holding any other stops the chain
+LWS="$HERE/results/staleness_protocol/large_warm_start"
+if [ -f "$LWS/model/model.safetensors" ]; then
+  if [ -d "$W/protocol/large/warm_start/model" ]; then
+    cmp -s "$LWS/model/model.safetensors" "$W/protocol/large/warm_start/model/model.safetensors" || {
+      echo "$W/protocol/large/warm_start is not the committed $LWS: move it aside" >&2; exit 1; }
+  else
+    mkdir -p "$W/protocol/large/warm_start" && cp -r "$LWS/." "$W/protocol/large/warm_start/"
+  fi
+fi
 grid large 0 29
 echo "=== $(date -u +%H:%M:%S) chain: done"
 exit

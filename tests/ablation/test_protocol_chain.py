@@ -146,3 +146,33 @@ def test_the_study_runs_listed_seeds_skips_unlisted_and_stops_on_a_config_that_f
                          timeout=60, env=env)
     assert out.returncode != 0 and "cannot read" in out.stderr, (out.stdout, out.stderr)
     assert "ablate" not in out.stdout and "seed 1" not in out.stdout
+
+
+@pytest.mark.slow  # starts processes
+def test_large_runs_from_the_committed_warm_start_and_a_different_one_stops_the_chain(tmp_path):
+    """The same config retrains a different `large` warm start on another CPU (sitting 23),
+    so the chain copies the committed one into W before `large` and stops, calling no
+    grid, when W already holds a different one."""
+    here = tmp_path / "checkout"
+    (here / "scripts").mkdir(parents=True)
+    (here / "scripts" / "protocol_chain.sh").write_text(
+        open(os.path.join(ROOT, "scripts", "protocol_chain.sh")).read())
+    pinned = here / "results" / "staleness_protocol" / "large_warm_start" / "model"
+    pinned.mkdir(parents=True)
+    (pinned / "config.json").write_text("{}")
+    (pinned / "model.safetensors").write_bytes(b"the committed weights")
+    sha = _fake_worktree(tmp_path / "wt", "", 'echo "call ONLY=$ONLY"\n')
+    run = lambda: subprocess.run(  # noqa: E731
+        ["bash", str(here / "scripts" / "protocol_chain.sh"), str(tmp_path / "w"),
+         str(tmp_path / "wt")], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, FROZEN=sha))
+    out = run()
+    assert out.returncode == 0, out.stderr
+    copied = tmp_path / "w" / "protocol" / "large" / "warm_start" / "model"
+    assert (copied / "model.safetensors").read_bytes() == b"the committed weights"
+    assert (copied / "config.json").exists() and "call ONLY=large" in out.stdout
+    (copied / "model.safetensors").write_bytes(b"weights retrained on another CPU")
+    out = run()
+    assert out.returncode == 1 and "not the committed" in out.stderr, (out.stdout, out.stderr)
+    assert "call ONLY=large" not in out.stdout
+    assert (copied / "model.safetensors").read_bytes() == b"weights retrained on another CPU"
