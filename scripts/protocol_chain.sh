@@ -48,16 +48,18 @@ grid sweep 0 9
 grid varlag 0 29
 grid drift 0 9
 # large's warm start is pinned (Deviations, sitting 23): the same config retrains a different
-# one on another CPU (AMD EPYC: 34.4% at step 399; Intel Xeon: 30.1% at step 430), so every
-# machine runs from the committed copy, and a W holding any other stops the chain
+# one on another CPU (AMD EPYC: 34.4% after 400 steps; Intel Xeon: 30.1% after 430), so every
+# machine runs from the committed copy; a W holding any other, or a checkout without it (the
+# frozen runner would retrain one), stops the chain
 LWS="$HERE/results/staleness_protocol/large_warm_start"
-if [ -f "$LWS/model/model.safetensors" ]; then
-  if [ -d "$W/protocol/large/warm_start/model" ]; then
-    cmp -s "$LWS/model/model.safetensors" "$W/protocol/large/warm_start/model/model.safetensors" || {
-      echo "$W/protocol/large/warm_start is not the committed $LWS: move it aside" >&2; exit 1; }
-  else
-    mkdir -p "$W/protocol/large/warm_start" && cp -r "$LWS/." "$W/protocol/large/warm_start/"
-  fi
+[ -f "$LWS/model/model.safetensors" ] && [ -f "$LWS/model/config.json" ] || {
+  echo "$LWS/model lacks model.safetensors or config.json: large's warm start is pinned" >&2
+  exit 1; }
+if [ -d "$W/protocol/large/warm_start/model" ]; then
+  cmp -s "$LWS/model/model.safetensors" "$W/protocol/large/warm_start/model/model.safetensors" || {
+    echo "$W/protocol/large/warm_start is not the committed $LWS: move it aside" >&2; exit 1; }
+else
+  mkdir -p "$W/protocol/large/warm_start" && cp -r "$LWS/." "$W/protocol/large/warm_start/"
 fi
 grid large 0 29
 echo "=== $(date -u +%H:%M:%S) chain: done"

@@ -1,5 +1,6 @@
 """scripts/protocol_chain.sh runs the protocol's grids only from the frozen code."""
 import os
+import shutil
 import subprocess
 import time
 
@@ -69,6 +70,7 @@ def test_the_chain_runs_the_grids_in_the_registered_order_skipping_committed_run
     (here / "results" / "staleness_protocol" / "mb4").mkdir()
     (here / "results" / "staleness_protocol" / "mb4" / "runs.csv").write_text("run\n")
     (here / "results" / "staleness_protocol" / "mb4" / "report.md").write_text("analysed\n")
+    _pinned_warm_start(here)
     wt = tmp_path / "wt"
     sha = _fake_worktree(wt, "", 'echo "call ONLY=$ONLY FINISHED=${FINISHED:-} GRIDS=$GRIDS '
                          '$2-$3 nice=$(nice)"\n')
@@ -151,16 +153,14 @@ def test_the_study_runs_listed_seeds_skips_unlisted_and_stops_on_a_config_that_f
 @pytest.mark.slow  # starts processes
 def test_large_runs_from_the_committed_warm_start_and_a_different_one_stops_the_chain(tmp_path):
     """The same config retrains a different `large` warm start on another CPU (sitting 23),
-    so the chain copies the committed one into W before `large` and stops, calling no
-    grid, when W already holds a different one."""
+    so the chain copies the committed one into W before `large`, and stops before `large`
+    when W already holds a different one or the checkout lacks the committed one (the
+    frozen runner would then retrain its own)."""
     here = tmp_path / "checkout"
     (here / "scripts").mkdir(parents=True)
     (here / "scripts" / "protocol_chain.sh").write_text(
         open(os.path.join(ROOT, "scripts", "protocol_chain.sh")).read())
-    pinned = here / "results" / "staleness_protocol" / "large_warm_start" / "model"
-    pinned.mkdir(parents=True)
-    (pinned / "config.json").write_text("{}")
-    (pinned / "model.safetensors").write_bytes(b"the committed weights")
+    pinned = _pinned_warm_start(here)
     sha = _fake_worktree(tmp_path / "wt", "", 'echo "call ONLY=$ONLY"\n')
     run = lambda: subprocess.run(  # noqa: E731
         ["bash", str(here / "scripts" / "protocol_chain.sh"), str(tmp_path / "w"),
@@ -176,3 +176,18 @@ def test_large_runs_from_the_committed_warm_start_and_a_different_one_stops_the_
     assert out.returncode == 1 and "not the committed" in out.stderr, (out.stdout, out.stderr)
     assert "call ONLY=large" not in out.stdout
     assert (copied / "model.safetensors").read_bytes() == b"weights retrained on another CPU"
+    (pinned / "model.safetensors").unlink()  # a checkout without the committed weights
+    shutil.rmtree(tmp_path / "w" / "protocol" / "large" / "warm_start")  # and a fresh W
+    out = run()
+    assert out.returncode == 1 and "is pinned" in out.stderr, (out.stdout, out.stderr)
+    assert "call ONLY=large" not in out.stdout and not (copied / "model.safetensors").exists()
+
+
+def _pinned_warm_start(checkout):
+    """The committed `large` warm start (results/staleness_protocol/large_warm_start/model)
+    in a fake checkout; returns its model folder."""
+    pinned = checkout / "results" / "staleness_protocol" / "large_warm_start" / "model"
+    pinned.mkdir(parents=True)
+    (pinned / "config.json").write_text("{}")
+    (pinned / "model.safetensors").write_bytes(b"the committed weights")
+    return pinned
