@@ -14,8 +14,9 @@ from pipeline_testlib import ROOT, TINY_FLAGS, make_init_checkpoint, read_jsonl,
 
 pytestmark = pytest.mark.slow
 
+STEPS = 8  # the kill comes after step 2's checkpoint: 6 steps of margin on a loaded machine
 FLAGS = ("--config.lag_injection.enabled=True", "--config.lag_injection.k=1",
-         "--config.learner.total_steps=5", "--config.learner.checkpoint_every=1",
+         f"--config.learner.total_steps={STEPS}", "--config.learner.checkpoint_every=1",
          "--config.learner.keep_checkpoints=10", "--config.learner.eval_every=0",
          "--config.seed=3")
 
@@ -49,30 +50,31 @@ def test_killed_learner_resumes_bit_exact(tmp_path):
                                 env=env, cwd=ROOT, text=True)
     deadline = time.time() + 300
     metrics = crashed / "metrics.jsonl"
+    learner = []  # found before step 2's checkpoint, so the kill follows it with no search
     while time.time() < deadline:
-        if (crashed / "checkpoints" / "2").is_dir():  # step 2 committed (renamed from tmp)
+        learner = learner or _pids(f"role=learner --workdir={crashed}")
+        if learner and (crashed / "checkpoints" / "2").is_dir():  # step 2 committed
             break
         assert launcher.poll() is None, launcher.stderr.read()
-        time.sleep(0.2)
-    learner = _pids(f"role=learner --workdir={crashed}")
+        time.sleep(0.02)
     assert learner, "learner process not found"
     os.kill(learner[0], signal.SIGKILL)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode != 0 and "learner exited with -9" in err
 
     killed_at = max(r["step"] for r in read_jsonl(metrics))
-    assert killed_at < 5
+    assert killed_at < STEPS
     run_train(crashed, *flags)  # same workdir: resumes from the last committed checkpoint
     rows = read_jsonl(metrics)
-    assert max(r["step"] for r in rows) == 5
+    assert max(r["step"] for r in rows) == STEPS
     # Every step was logged, and the steps trained after the restart continue where the last
     # checkpoint left off (a step trained but not checkpointed before the kill is redone).
-    assert {r["step"] for r in rows if r["step"] > 0} == {1, 2, 3, 4, 5}
+    assert {r["step"] for r in rows if r["step"] > 0} == set(range(1, STEPS + 1))
     learner_log = (crashed / "logs" / "learner.log").read_text()
     assert "resumed from step" in learner_log
 
     step_a, params_a = _final_params(tmp_path / "straight")
     step_b, params_b = _final_params(crashed)
-    assert step_a == step_b == 5
+    assert step_a == step_b == STEPS
     for a, b in zip(params_a, params_b):
         np.testing.assert_array_equal(a, b)
