@@ -5,6 +5,9 @@
       --out=results/repro
   PYTHONPATH=. python scripts/export_results.py --results=runs/sb --out=results/sampler_bound \
       --raw_run='schedule=sync,seed=0' --raw_run='schedule=async2,seed=0'
+  # a grid resumed on a machine without the earlier workdir: the committed tables beside it
+  PYTHONPATH=. python scripts/export_results.py --results=results/G,W/G --out=results/G \
+      --finished_only
 
 steps.csv keeps, per run and step, the metrics every figure drawn from step metrics needs
 (results.STEP_COLUMNS and the per-lag-bucket tokens, ESS, clip fraction and KL k3, blank where
@@ -12,7 +15,9 @@ a bucket has no tokens) at 6 significant digits; histograms, per-sample lists an
 of metrics.jsonl stay in the run directories, except for the runs named by --raw_run, whose
 raw logs are copied to OUT/raw/<name>/ (the simulator calibrates from them).
 scripts/reproduce_figures.py, scripts/staleness_report.py and scripts/repro_verdict.py read
-the folder like a grid.
+the folder like a grid. A run read from committed tables keeps its runs.csv row verbatim
+(re-deriving it from the 6-digit steps.csv would move means in their last digit); cells.csv is
+computed from runs.csv as written, so an export of an export is the same.
 """
 import json
 import os

@@ -99,6 +99,9 @@ class Run:
     # From committed tables: "response_lengths" {length: count}, "lag_hist" [tokens per lag]
     extras: dict = dataclasses.field(default_factory=dict)
     provenance: dict = dataclasses.field(default_factory=dict)  # PROVENANCE_COLUMNS, or {}
+    # From committed tables: the run's runs.csv row as committed, as text. An export keeps it
+    # verbatim: re-deriving it from the 6-digit steps.csv moves means in their last digit
+    committed: dict = dataclasses.field(default_factory=dict)
 
     def get(self, key: str, default=None):
         return config_value(self.config, key, default)
@@ -574,11 +577,17 @@ def export_tables(roots: Sequence[str], out: str, analysis=None,
     run_rows = [summarize_run(r, analysis) for r in sorted(runs, key=lambda r: r.name)]
     for r in run_rows:
         r.pop("path", None)  # a path on the machine that ran it
-    paths["runs_csv"] = write_csv(os.path.join(out, "runs.csv"),
-                                  [{k: _short(v) for k, v in r.items()} for r in run_rows])
+    # a run from committed tables keeps its committed row (columns added since: derived)
+    committed = {r.name: r.committed for r in runs}
+    text_rows = [{**{k: _short(v) for k, v in r.items()}, **committed[r["run"]]}
+                 for r in run_rows]
+    paths["runs_csv"] = write_csv(os.path.join(out, "runs.csv"), text_rows)
+    # the cells from runs.csv as written, so that an export of an export is the same
     paths["cells_csv"] = write_csv(os.path.join(out, "cells.csv"),
-                                   [{k: _short(v) for k, v in c.items()}
-                                    for c in summarize_cells(run_rows)])
+                                   [{k: _short(v) for k, v in c.items()} for c in
+                                    summarize_cells([{k: _parse("" if v is None else str(v))
+                                                      for k, v in r.items()}
+                                                     for r in text_rows])])
     return {"tables": paths, "problems": problems, "runs": len(runs)}
 
 
@@ -644,5 +653,6 @@ def load_tables(folder: str) -> Tuple[List[Run], List[str]]:
                         m.get("cell") or m["run"], config, rows, m.get("status", "unknown"),
                         extras.get(m["run"], {"response_lengths": {}, "lag_hist": []}),
                         {col: m[col] for col in PROVENANCE_COLUMNS
-                         if m.get(col) and m[col] != PROVENANCE_UNRECORDED}))
+                         if m.get(col) and m[col] != PROVENANCE_UNRECORDED},
+                        dict(m)))
     return runs, problems
