@@ -188,6 +188,7 @@ def make_handler(state: ServerState):
             if path == "/_test/stats":
                 with s.lock:
                     return {"counts": dict(s.counts), "cpu_s": time.process_time(),
+                            "most_delays_one_request": max(s.delays.values(), default=0),
                             "paused": s.paused, "pause_mode": s.pause_mode, "live":
                             len(s.live), "weight_version": s.labels[s.internal_version],
                             "lora_loaded": list(s.lora.loaded),
@@ -237,6 +238,7 @@ def make_handler(state: ServerState):
                 with s.lock:
                     s.record.clear()
                     s.counts.clear()
+                    s.delays.clear()
                 return None
             return Status(404, {"error": {"message": f"no route {path}"}})
 

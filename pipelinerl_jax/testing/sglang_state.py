@@ -51,6 +51,7 @@ class ServerState:
         self.pause_mode = None
         self.record: List[dict] = []
         self.counts = collections.Counter()
+        self.delays = collections.Counter()  # first rid of a /generate body -> calls delayed
         self.internal_version = 0
         self.labels = {0: args.weight_version}  # JaxEngine version -> SGLang weight_version
         self.model_path = args.model_path
@@ -171,6 +172,8 @@ class ServerState:
             return Status(sw["fail_status"], {"error": {"message": f"injected failure of "
                                                                     f"request #{call}"}})
         if sw["delay_s"]:
+            with self.lock:  # a client's retries resend the same body: same first rid
+                self.delays[items[0][0]] += 1
             time.sleep(sw["delay_s"])
         t0 = time.time()
         results = self._run_stub(items, adapters) if self.engine is None \

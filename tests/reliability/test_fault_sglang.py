@@ -5,7 +5,6 @@ JSON, a NaN log-prob, an out-of-vocabulary id, no meta_info), and for a few seco
 answer is slower than the client's timeout. Retried, resubmitted, dropped and counted; the run
 completes and trains only on whole, valid groups."""
 import os
-import time
 
 import pytest
 
@@ -16,6 +15,11 @@ from tests.reliability.reliability_testlib import (
 pytestmark = pytest.mark.slow
 
 TOTAL = 8
+
+
+def rerouted(workdir) -> int:
+    reports = read_jsonl(os.path.join(workdir, "engine_stats.jsonl"))
+    return reports[-1].get("rerouted_requests", 0) if reports else 0
 
 
 def test_pipeline_rides_out_a_misbehaving_sglang_server(tmp_path, init_ckpt):
@@ -31,11 +35,18 @@ def test_pipeline_rides_out_a_misbehaving_sglang_server(tmp_path, init_ckpt):
         "--config.learner.checkpoint_every=4")
     try:
         wait_for(lambda: max_step(workdir) >= 2, workdir, proc, what="step 2")
-        server.configure(delay_s=1.5)  # every answer now outlasts request_timeout_s
-        time.sleep(4.0)
+        # Every answer now outlasts request_timeout_s (no 503s meanwhile, so a request that
+        # fails every try fails by timing out), until the server has delayed one request on
+        # all its 1 + max_retries tries and the engine says it sent a request again. Not a
+        # fixed few seconds: on a loaded machine they can pass with no request in flight.
+        before = rerouted(workdir)  # 503s on every try reroute too
+        server.configure(delay_s=1.5, fail_every=0)
+        wait_for(lambda: server.stats()["most_delays_one_request"] >= 3
+                 and rerouted(workdir) > before, workdir, proc, timeout=120.0,
+                 what="a request timed out on every try and rerouted")
         # Every 4th answer is a server abort, but which calls those are depends on timing
         # (those during the delay reach clients that gave up): two more, to live requests.
-        server.configure(delay_s=0.0, abort_next=2)
+        server.configure(delay_s=0.0, fail_every=3, abort_next=2)
         code = finish(proc, workdir)
         counts = server.stats()["counts"]
     finally:
@@ -50,7 +61,7 @@ def test_pipeline_rides_out_a_misbehaving_sglang_server(tmp_path, init_ckpt):
     last = reports[-1]
     assert last["retries"] > 0                    # 503s and timeouts, retried
     assert last["server_aborted_segments"] > 0 and last["resubmitted_samples"] > 0
-    assert last["rerouted_requests"] > 0          # timed-out requests sent again
+    assert last["rerouted_requests"] > before     # timed-out requests sent again
     failed = [e for e in events(workdir) if e["event"] == "group_failed"]
     assert failed and last["worker"]["groups_failed"] >= 1
     assert all("malformed answer" in e["reason"] or "not JSON" in e["reason"]
