@@ -65,7 +65,8 @@ SGLang reports per request; `--no-version-spans` drops them, as older servers do
 Test-only endpoints: GET /_test/record (every sample it returned: rid, input_ids, output_ids,
 output_logprobs, per-token version labels and KV version labels, finish_reason,
 sampling_params), POST /_test/reset, GET|POST /_test/config (switches below), GET
-/_test/stats (call counts, CPU seconds, requests live), POST /_test/step {steps} (runs that
+/_test/stats (call counts, CPU seconds, requests live, the most delay_s sleeps one request
+had: a request's retries resend its rid), POST /_test/step {steps} (runs that
 many engine steps by hand). Switches: startup_503_s (health and generate answer 503 for the
 first S seconds), fail_every + fail_status (every k-th /generate answers that status),
 corrupt_every (every k-th /generate answers 200 with a malformed body: cut-off JSON, a NaN
